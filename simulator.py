@@ -1,0 +1,187 @@
+"""The embedded simulated human: an OpenAI-compatible server on localhost, so rollout.py talks to it
+exactly as it would to `vllm serve meta-llama/Llama-3.1-70B-Instruct`.
+
+Serves GET /v1/models, POST /v1/chat/completions (the human) and POST /v1/completions (raw prompt
+completion, hf backend only; lets the `openai` agent backend be tested against it).
+
+    python simulator.py                          # scripted human on http://127.0.0.1:8000/v1
+    python simulator.py --port 0                 # any free port; the URL is printed when ready
+    python simulator.py --backend hf --model PATH_OR_ID
+
+Backends:
+- scripted (default; deterministic, instant on CPU): reads the hidden information out of the
+  human prompt (common.HUMAN_PROMPT) and answers the agent's last message with at most two
+  hidden-information lines that share the most words with it (for code hidden information, the
+  most relevant code lines), or says it doesn't know. Asked for a task in the JSON format of
+  generate_tasks.LLM_PROMPT, it returns a procedural task, so the `llm` task source can be tested
+  offline.
+- hf: a local transformers chat model, greedy (temperature 0 in the paper).
+
+Deviation from the paper: the scripted human replaces Llama-3.1-70B on CPU; it never paraphrases
+and answers only when the question shares words with a hidden fact.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import common
+
+
+@dataclass
+class Args:
+    host: str = "127.0.0.1"
+    """interface to listen on"""
+    port: int = 8000
+    """port (0 = pick a free one)"""
+    backend: str = "scripted"
+    """scripted | hf"""
+    model: str = ""
+    """hf backend: a local chat model path or id ('embedded' = SmolLM2-135M-Instruct)"""
+    max_new_tokens: int = 128
+    """hf backend: longest reply"""
+
+
+STOPWORDS = set("""a an the is are was were be been to of in on for and or but with at by from as it its this that
+these those what which who whom whose how when where why do does did can could would should will shall may might must
+i you he she we they me my your our their us them please tell know need want like about any some there here if then
+so just also more most very much many than too not no yes okay ok thanks thank function python code write give
+let have has had get make use value values one""".split())
+
+
+def words(text):
+    """Lower-case content words; identifiers split at '_'; a plural 's' dropped."""
+    out = set()
+    for w in re.findall(r"[A-Za-z]+|\d+", text.replace("_", " ")):
+        w = w.lower()
+        if w in STOPWORDS or len(w) < 2 and not w.isdigit():
+            continue
+        out.add(w[:-1] if len(w) > 3 and w.endswith("s") else w)
+    return out
+
+
+def scripted_reply(hidden, question, max_lines=2):
+    """At most two hidden lines relevant to the question, else "I don't know"."""
+    q = words(question)
+    scored = []
+    for i, line in enumerate(l for l in hidden.splitlines() if l.strip()):
+        overlap = len(q & words(line))
+        if overlap:
+            scored.append((-overlap, i, line.strip()))
+    if not scored:
+        return "I don't know, sorry."
+    best = sorted(sorted(scored)[:max_lines], key=lambda s: s[1])  # the best lines, in original order
+    return " ".join(line for _, _, line in best)
+
+
+def scripted_task_writer(prompt):
+    """Stand-in for an LLM asked for a task as JSON: a procedural task seeded by the prompt."""
+    from generate_tasks import procedural_task
+    seed = int(hashlib.sha1(prompt.encode()).hexdigest()[:8], 16)
+    t = procedural_task(random.Random(seed))
+    return json.dumps({k: t[k] for k in ("ground_truth", "hidden_information", "problem_description", "test_cases")})
+
+
+class ScriptedBackend:
+    name = "scripted-human"
+
+    def chat(self, messages, max_tokens):
+        system = next((m["content"] for m in messages if m["role"] == "system"), "")
+        last = messages[-1]["content"] if messages else ""
+        if isinstance(last, list):  # multimodal content: keep the text parts
+            last = " ".join(p.get("text", "") for p in last if isinstance(p, dict))
+        hidden = common.parse_hidden_information(system)
+        if hidden is not None:
+            return scripted_reply(hidden, last)
+        if '"test_cases"' in last and "ground_truth" in last:
+            return scripted_task_writer(last)
+        return "I don't know, sorry."
+
+    def complete(self, prompt, max_tokens, temperature):
+        raise ValueError("the scripted backend serves only /v1/chat/completions")
+
+
+class HFBackend:
+    def __init__(self, model):
+        import torch
+        from transformers import AutoModelForCausalLM
+        self.torch = torch
+        self.name = model
+        self.tok = common.load_tokenizer(model)
+        self.model = AutoModelForCausalLM.from_pretrained(common.resolve_model(model), dtype=torch.float32).eval()
+        self.lock = threading.Lock()  # one generation at a time; requests queue up
+
+    def complete(self, prompt, max_tokens, temperature=0.0):
+        ids = self.tok(prompt, return_tensors="pt", add_special_tokens=False)
+        with self.lock, self.torch.no_grad():
+            out = self.model.generate(**ids, max_new_tokens=max_tokens, do_sample=temperature > 0,
+                                      temperature=temperature or None, top_p=None, top_k=None,
+                                      pad_token_id=self.tok.pad_token_id)
+        return self.tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+
+    def chat(self, messages, max_tokens):
+        return self.complete(common.render_prompt(self.tok, messages), max_tokens).strip()
+
+
+def make_handler(backend, default_max_tokens):
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):  # quiet: one line per request would flood a rollout's terminal
+            pass
+
+        def send_json(self, code, obj):
+            body = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            if self.path.rstrip("/") == "/v1/models":
+                self.send_json(200, {"object": "list", "data": [{"id": backend.name, "object": "model"}]})
+            else:
+                self.send_json(404, {"error": {"message": f"no route {self.path}"}})
+
+        def do_POST(self):
+            try:
+                req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                max_tokens = req.get("max_tokens") or default_max_tokens
+                if self.path.rstrip("/") == "/v1/chat/completions":
+                    text = backend.chat(req["messages"], max_tokens)
+                    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+                elif self.path.rstrip("/") == "/v1/completions":
+                    text = backend.complete(req["prompt"], max_tokens, req.get("temperature", 0.0))
+                    choice = {"index": 0, "text": text, "finish_reason": "stop"}
+                else:
+                    return self.send_json(404, {"error": {"message": f"no route {self.path}"}})
+            except (KeyError, ValueError, TypeError) as e:
+                return self.send_json(400, {"error": {"message": f"bad request: {e}"}})
+            self.send_json(200, {"id": f"cmpl-{time.time_ns()}", "object": "chat.completion", "created": int(time.time()),
+                                 "model": backend.name, "choices": [choice]})
+    return Handler
+
+
+def serve(args):
+    backend = ScriptedBackend() if args.backend == "scripted" else HFBackend(args.model or common.EMBEDDED)
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(backend, args.max_new_tokens))
+    server.daemon_threads = True
+    return server
+
+
+if __name__ == "__main__":
+    args = common.parse_args(Args, __doc__)
+    if args.backend not in ("scripted", "hf"):
+        sys.exit(f"--backend {args.backend}: choose scripted or hf")
+    server = serve(args)
+    print(f"simulated human ({args.backend}) ready at http://{args.host}:{server.server_address[1]}/v1", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass

@@ -533,7 +533,10 @@ def embedded_model_dir():
         tok = AutoTokenizer.from_pretrained(gdir, gguf_file=gname)
         quant = AutoModelForCausalLM.from_pretrained(gdir, gguf_file=gname, dtype=torch.float32)
         # A gguf-loaded model refuses save_pretrained: copy its weights into a fresh model.
-        model = AutoModelForCausalLM.from_config(quant.config, dtype=torch.float32)
+        config = quant.config
+        if hasattr(config, "quantization_config"):  # or the saved checkpoint refuses to be saved again
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(quant.state_dict())
         tmp_out = out.with_name(out.name + ".partial")
         model.save_pretrained(tmp_out)
@@ -598,3 +601,317 @@ def parse_args(cls, doc=None, argv=None):
             kind = {"int": int, "float": float, "str": str}.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
             p.add_argument(f"--{f.name}", type=kind, required=required, default=None if required else f.default, help=h)
     return cls(**vars(p.parse_args(argv)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Samplers: generate(prompts) -> texts, for rollout.py (the agent) and label_turns.py (candidates).
+# `args` needs temperature, top_p, max_new_tokens, seed, batch_size (and agent_url for openai).
+# ----------------------------------------------------------------------------------------------
+class HFSampler:
+    """transformers in process: all prompts as one left-padded batch."""
+    def __init__(self, model, args, loaded=None):
+        import torch
+        from transformers import AutoModelForCausalLM
+        self.torch, self.args = torch, args
+        self.tok = load_tokenizer(model)
+        self.tok.padding_side = "left"
+        dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model = loaded if loaded is not None else \
+            AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=dtype).to(self.device).eval()
+
+    def generate(self, prompts, episodes=None):
+        a = self.args
+        batch = self.tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+        sample = a.temperature > 0
+        with self.torch.no_grad():
+            out = self.model.generate(**batch, max_new_tokens=a.max_new_tokens, do_sample=sample,
+                                      temperature=a.temperature if sample else None, top_p=a.top_p if sample else None,
+                                      top_k=None, pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id)
+        new = out[:, batch["input_ids"].shape[1]:]  # [batch, new_tokens]
+        return self.tok.batch_decode(new, skip_special_tokens=True)
+
+
+class OpenAISampler:
+    """Raw-prompt completions, so `input` is exactly what the server's model saw."""
+
+    def __init__(self, model, args):
+        self.args, self.tok = args, load_tokenizer(model)
+        self.client = ChatClient(args.agent_url, model, workers=args.batch_size)
+
+    def generate(self, prompts, episodes=None):
+        a = self.args
+        return self.client.complete_many(prompts, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_new_tokens,
+                                         seed=a.seed)
+
+
+class VLLMSampler:
+    """vLLM in process (optional: requirements-gpu.txt)."""
+    def __init__(self, model, args):
+        from vllm import LLM, SamplingParams  # optional dependency: requirements-gpu.txt
+        self.args, self.tok = args, load_tokenizer(model)
+        self.llm = LLM(resolve_model(model), seed=args.seed)
+        self.params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens)
+
+    def generate(self, prompts, episodes=None):
+        return [o.outputs[0].text for o in self.llm.generate(prompts, self.params, use_tqdm=False)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-turn log-prob helpers (shared by train_critic.py, label_turns.py, train_dpo.py)
+#
+# A trajectory's agent turns are stored as exact (input, output) strings, possibly rendered with
+# another model's chat template: we tokenise those strings as stored, never re-render them.
+# When turn t+1's input starts with turn t's input + output (true for ordinary chat templates),
+# the whole trajectory is ONE sequence: [prefix][input_1][output_1][rest of input_2][output_2]...
+# and one forward pass scores every turn. Otherwise a turn starts a new sequence.
+# The model's end-of-turn token after an output counts as part of that agent turn (so training
+# teaches the model to stop); the system prompt, user turns and the training-time prefix never count.
+# ----------------------------------------------------------------------------------------------
+def agent_turns(traj):
+    """[(input, output)] of a trajectory's agent turns, in order."""
+    return [(m["input"], m["output"]) for m in traj["dialogue_history"] if m["role"] == "assistant" and "input" in m]
+
+
+def tokenize_turns(tokenizer, turns, prefix="", max_len=None):
+    """Token sequences for one trajectory. Returns a list of (ids, turn_of) where turn_of[i] is the
+    agent-turn index that token i belongs to, or -1. With max_len, a sequence keeps its last
+    max_len tokens (a turn cut off entirely then has no tokens)."""
+    enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"] if s else []
+    eos, eos_id = tokenizer.eos_token, tokenizer.eos_token_id
+    seqs, text, ids, turn_of = [], None, [], []
+    for t, (inp, out) in enumerate(turns):
+        if text is not None and inp.startswith(text):
+            rest = inp[len(text):]
+            rest = rest[len(eos):] if rest.startswith(eos) else rest  # already counted with the last output
+        else:  # first turn, or a template that rewrites history: new sequence
+            if ids:
+                seqs.append((ids, turn_of))
+            ids, turn_of = enc(prefix), [-1] * len(enc(prefix))
+            rest = inp
+        r = enc(rest)
+        o = enc(out) + [eos_id]
+        ids, turn_of = ids + r + o, turn_of + [-1] * len(r) + [t] * len(o)
+        text = inp + out + eos
+    if ids:
+        seqs.append((ids, turn_of))
+    if max_len:
+        seqs = [(i[-max_len:], o[-max_len:]) for i, o in seqs]
+    return seqs
+
+
+def sequence_logprobs(model, ids, turn_of, chunk=1024):
+    """Log-probs of the agent tokens of one sequence, in one forward pass. Logits are computed only
+    at the positions that predict an agent token, and the log-softmax in chunks of rows.
+    Returns (logp [n_agent_tokens], turn index of each [n_agent_tokens])."""
+    import torch
+    device = next(model.parameters()).device
+    ids_t = torch.tensor([ids], device=device)
+    turn_t = torch.tensor(turn_of, device=device)
+    target_pos = (turn_t[1:] >= 0).nonzero().squeeze(1) + 1  # tokens scored (the first token never is)
+    if len(target_pos) == 0:
+        return torch.zeros(0, device=device), turn_t[:0]
+    logits = model(input_ids=ids_t, logits_to_keep=target_pos - 1).logits[0]  # [n_agent_tokens, vocab]
+    targets = ids_t[0, target_pos]
+    logp = torch.cat([lg.float().gather(1, tg[:, None]).squeeze(1) - torch.logsumexp(lg.float(), dim=-1)
+                      for lg, tg in zip(logits.split(chunk), targets.split(chunk))])
+    return logp, turn_t[target_pos]
+
+
+def turn_logprobs(model, seqs, num_turns):
+    """Per-turn (sum, count) of agent-token log-probs over a trajectory's sequences.
+    sum: [num_turns] float (differentiable), count: [num_turns] tokens per turn. mean = sum / count."""
+    import torch
+    device = next(model.parameters()).device
+    total = torch.zeros(num_turns, device=device)
+    count = torch.zeros(num_turns, device=device)
+    for ids, turn_of in seqs:
+        logp, turn = sequence_logprobs(model, ids, turn_of)
+        total = total.index_add(0, turn, logp)
+        count = count.index_add(0, turn, torch.ones_like(logp))
+    return total, count
+
+
+# ----------------------------------------------------------------------------------------------
+# Distributed training (torchrun) with FSDP2; plain `python` is world size 1 without FSDP.
+# ----------------------------------------------------------------------------------------------
+def init_distributed():
+    """Returns (rank, world_size, device). nccl on GPU, gloo on CPU."""
+    import torch
+    import torch.distributed as dist
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, world, device
+
+
+def load_model(name, device, grad_ckpt=False, dtype=None):
+    """A causal LM for training: bf16 on GPU, fp32 on CPU; flash-attention 2 when installed, else SDPA."""
+    import importlib.util
+    import torch
+    from transformers import AutoModelForCausalLM
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    attn = "flash_attention_2" if device.type == "cuda" and importlib.util.find_spec("flash_attn") else "sdpa"
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype, attn_implementation=attn).to(device)
+    if grad_ckpt:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    return model
+
+
+def shard_model(model, world, device):
+    """FSDP2: fully_shard each decoder layer, then the root. A no-op for one process."""
+    if world == 1:
+        return model
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh(device.type, (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def all_reduce(x, op="sum"):
+    """Sum (or max) a python number across ranks; identity for one process."""
+    import torch
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return x
+    t = torch.tensor(float(x), device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return t.item()
+
+
+def save_checkpoint(model, tokenizer, out_dir, rank, settings=None):
+    """Gather the full state dict to rank 0 and save a plain HF checkpoint (loads in transformers and vLLM)."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        state = model.state_dict()
+    if rank == 0:
+        model.save_pretrained(out_dir, state_dict=state)
+        tokenizer.save_pretrained(out_dir)
+        if settings is not None:
+            save_run_settings(Path(out_dir) / "run_settings.json", settings)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def dummy_forwards(model, n):
+    """FSDP needs the same number of forward calls on every rank: pad with zero-weight forwards."""
+    import torch
+    device = next(model.parameters()).device
+    out = torch.zeros((), device=device)
+    for _ in range(int(n)):
+        out = out + 0.0 * model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), logits_to_keep=1).logits.sum()
+    return out
+
+
+def precompute(model, items, fn, rank, world, desc="reference log-probs"):
+    """fn(model, item) -> (json-able result, forwards it made) for every item, without grad; items
+    are split across ranks in lockstep rounds and the results gathered on every rank (used to
+    compute pi_ref log-probs once, before training)."""
+    import math
+    import torch
+    import torch.distributed as dist
+    mine = list(range(rank, len(items), world))
+    results = {}
+    with torch.no_grad():
+        for j in tqdm_if(range(math.ceil(len(items) / world)), rank == 0, desc):
+            n = 0
+            if j < len(mine):
+                results[mine[j]], n = fn(model, items[mine[j]])
+            if world > 1:
+                dummy_forwards(model, all_reduce(n, "max") - n)
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, results)
+        results = {k: v for part in gathered for k, v in part.items()}
+    return [results[i] for i in range(len(items))]
+
+
+def train_loop(model, examples, loss_fn, args, rank, world, log_path=None):
+    """The loop both training stages share: shuffled global batches of args.batch_size examples, each
+    rank taking batch[rank::world]; loss_fn(model, local_examples, global_batch_size) returns
+    (loss scaled so that the sum over ranks is the global-batch mean, forwards made, metrics
+    summed over local examples). AdamW, gradient clipping at 1.0, one log line per step."""
+    import torch
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
+    rng = random.Random(args.seed)  # same order on every rank
+    step, history = 0, []
+    log = open(log_path, "a") if (log_path and rank == 0) else None
+    for epoch in range(args.epochs):
+        order = list(range(len(examples)))
+        rng.shuffle(order)
+        for b in range(0, len(order), args.batch_size):
+            batch = [examples[i] for i in order[b:b + args.batch_size]]
+            t0 = time.time()
+            loss, n_fwd, metrics = loss_fn(model, batch[rank::world], len(batch))
+            if world > 1:
+                loss = loss + dummy_forwards(model, all_reduce(n_fwd, "max") - n_fwd)
+            # FSDP averages gradients over ranks; loss_fn scaled by 1/global batch, so undo the 1/world
+            (loss * world).backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            m = {k: all_reduce(v) for k, v in sorted(metrics.items())}
+            n = m.pop("n")
+            line = {"step": step, "epoch": epoch, **{k: v / max(n, 1) for k, v in m.items() if k != "tokens"},
+                    "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
+                    "tokens_per_s": m.get("tokens", 0) / (time.time() - t0)}
+            history.append(line)
+            if rank == 0:
+                print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in line.items()), flush=True)
+                if log:
+                    log.write(json.dumps(line) + "\n")
+                    log.flush()
+    if log:
+        log.close()
+    return history
+
+
+def tqdm_if(it, show, desc):
+    from tqdm import tqdm
+    return tqdm(it, desc=desc) if show else it
+
+
+def trajectory_pairs(rows, task_type="code", min_gap=0.1):
+    """(chosen, rejected) trajectory pairs from graded rollouts, as released. Backend: per task the
+    best sample must succeed; every lower-reward sample of that task is a rejected partner.
+    Frontend: every two samples whose rewards (similarities) differ by at least min_gap."""
+    by_task = {}
+    for r in rows:
+        by_task.setdefault(r["task_id"], []).append(r)
+    pairs = []
+    for group in by_task.values():
+        group = sorted(group, key=lambda r: (-r["reward"], r.get("sample", 0)))
+        if task_type == "code":
+            best = group[0]
+            if best.get("success", best["reward"] >= 1.0):
+                pairs += [(best, r) for r in group[1:] if r["reward"] < best["reward"]]
+        else:
+            pairs += [(a, b) for i, a in enumerate(group) for b in group[i + 1:] if a["reward"] - b["reward"] >= min_gap]
+    return pairs
+
+
+def load_graded(path):
+    """Graded trajectories (evaluate.py output); each needs `reward` and stored agent inputs/outputs."""
+    rows = []
+    for line, r in read_jsonl(path):
+        for field in ("task", "dialogue_history", "reward"):
+            if field not in r:
+                raise DataError(f"{path}:{line}: missing '{field}' (grade rollouts with evaluate.py first)")
+        r["task_id"] = r.get("task_id") or task_id(r["task"])
+        if not agent_turns(r):
+            raise DataError(f"{path}:{line}: no assistant turn with stored 'input' and 'output'")
+        rows.append(r)
+    return rows

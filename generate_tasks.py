@@ -83,8 +83,10 @@ def fam_threshold(rng):
     t = rng.randint(11, 95)
     facts = [f"A {noun} of {t} or more gets the label '{hi}'.", f"A {noun} below {t} gets the label '{lo}'."]
     gt = f"def {fn}({arg}):\n    if {arg} >= {t}:\n        return '{hi}'\n    return '{lo}'\n"
-    xs = sorted({t, t - 1, t + 1, max(0, t - rng.randint(2, 10)), t + rng.randint(2, 10), 0, 100,
-                 rng.randint(0, 100), rng.randint(0, 100), t + 20})
+    xs = {t, t - 1, t + 1, t - rng.randint(2, 10), t + rng.randint(2, 10), 0, 100, t + 20}
+    while len(xs) < 10:
+        xs.add(rng.randint(0, 120))
+    xs = sorted(xs)
     desc = f"I need a small function that decides {what}. It should return a label."
     return fn, f"{fn}({arg})", desc, facts, gt, [[x] for x in xs]
 

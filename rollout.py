@@ -78,55 +78,9 @@ class Args:
 
 
 # ----------------------------------------------------------------------------------------------
-# Agent backends: generate(prompts, episodes) -> list of generated texts
+# Agent backends: generate(prompts, episodes) -> generated texts. hf/openai/vllm live in common.py
+# (label_turns.py samples with them too); the oracle is rollout-only.
 # ----------------------------------------------------------------------------------------------
-class HFAgent:
-    def __init__(self, model, args):
-        import torch
-        from transformers import AutoModelForCausalLM
-        self.torch, self.args = torch, args
-        self.tok = common.load_tokenizer(model)
-        self.tok.padding_side = "left"
-        dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model = AutoModelForCausalLM.from_pretrained(common.resolve_model(model), dtype=dtype).to(self.device).eval()
-
-    def generate(self, prompts, episodes):
-        a = self.args
-        batch = self.tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
-        sample = a.temperature > 0
-        with self.torch.no_grad():
-            out = self.model.generate(**batch, max_new_tokens=a.max_new_tokens, do_sample=sample,
-                                      temperature=a.temperature if sample else None, top_p=a.top_p if sample else None,
-                                      top_k=None, pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id)
-        new = out[:, batch["input_ids"].shape[1]:]  # [batch, new_tokens]
-        return self.tok.batch_decode(new, skip_special_tokens=True)
-
-
-class OpenAIAgent:
-    """Raw-prompt completions, so `input` is exactly what the server's model saw."""
-
-    def __init__(self, model, args):
-        self.args, self.tok = args, common.load_tokenizer(model)
-        self.client = common.ChatClient(args.agent_url, model, workers=args.batch_size)
-
-    def generate(self, prompts, episodes):
-        a = self.args
-        return self.client.complete_many(prompts, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_new_tokens,
-                                         seed=a.seed)
-
-
-class VLLMAgent:
-    def __init__(self, model, args):
-        from vllm import LLM, SamplingParams  # optional dependency: requirements-gpu.txt
-        self.args, self.tok = args, common.load_tokenizer(model)
-        self.llm = LLM(common.resolve_model(model), seed=args.seed)
-        self.params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens)
-
-    def generate(self, prompts, episodes):
-        return [o.outputs[0].text for o in self.llm.generate(prompts, self.params, use_tqdm=False)]
-
-
 def oracle_question(fact):
     """Ask for one hidden fact without giving its values away."""
     masked = re.sub(r"'[^']*'|\"[^\"]*\"|\b\d+(\.\d+)?\b", "___", fact.strip().rstrip("."))
@@ -151,7 +105,7 @@ class OracleAgent:
         return outs
 
 
-AGENTS = {"hf": HFAgent, "openai": OpenAIAgent, "vllm": VLLMAgent, "oracle": OracleAgent}
+AGENTS = {"hf": common.HFSampler, "openai": common.OpenAISampler, "vllm": common.VLLMSampler, "oracle": OracleAgent}
 
 
 # ----------------------------------------------------------------------------------------------

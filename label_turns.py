@@ -1,0 +1,176 @@
+"""Label turns with the critic: sample candidate turns per state, rank them, write turn-level pairs.
+
+Reads:  graded trajectories JSONL (each stored agent `input` is a state o_t) and the critic from
+        train_critic.py (its run_settings.json names pi_ref, and whether it sees c).
+Writes: PAIRS JSONL, one pair a line: prompt, chosen, rejected, chosen_advantage,
+        rejected_advantage, task_id, sample, turn; and PAIRS.states.jsonl, one labelled state a line
+        (all candidates and advantages; it marks the state done, so a rerun resumes).
+
+    python label_turns.py --trajectories runs/train_graded.jsonl --critic runs/critic --output runs/pairs.jsonl
+    python label_turns.py ... --agent_backend vllm --policy meta-llama/Llama-3.1-8B-Instruct
+    torchrun --nproc_per_node 8 label_turns.py ...    # states split over ranks; cat the shard files
+
+For each state o_t (PAPER.md §3): sample N candidate turns a from the policy; score each with
+    advantage(a) = mean over a's tokens of [log pi_critic(a | c, o_t) - log pi_ref(a | c, o_t)]
+(pi_ref by its own forward pass, never the sampler's log-probs, whose meaning changes with
+temperature and vLLM version). Per state, pairs_per_state pairs: one candidate drawn from the
+better half by advantage, one from the worse half; the higher one is chosen.
+
+Scoring shares work: the prompt (c + o_t) is run once, and the N candidates run as one batch
+on its KV cache (score_candidates); it equals naive one-by-one scoring (tests check 1e-4).
+
+Deviations: pi_ref sees the same input as the critic (c + o_t), as in the critic's own objective
+(the released code used the sampler's log-probs, without c). Identical candidates are never paired.
+"""
+from __future__ import annotations
+
+import json
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import common
+from train_critic import training_info
+
+
+@dataclass
+class Args:
+    trajectories: str
+    """graded trajectories JSONL: its agent turns' stored inputs are the states"""
+    critic: str
+    """critic directory from train_critic.py"""
+    output: str
+    """PAIRS JSONL to write (reruns resume)"""
+    policy: str = ""
+    """the sampling policy (default: the critic's pi_ref)"""
+    num_candidates: int = 16
+    """candidate turns sampled per state (N)"""
+    pairs_per_state: int = 4
+    """pairs drawn per state"""
+    data_fraction: float = 1.0
+    """share of the trajectories whose states are labelled (released: 0.1)"""
+    temperature: float = 1.0
+    """candidate sampling temperature"""
+    top_p: float = 1.0
+    """candidate nucleus sampling"""
+    max_new_tokens: int = 1024
+    """longest candidate"""
+    max_len: int = 16384
+    """longest prompt + candidate for scoring; longer prompts keep their last tokens"""
+    agent_backend: str = "hf"
+    """hf | openai | vllm (how candidates are sampled)"""
+    agent_url: str = ""
+    """openai backend: server URL"""
+    batch_size: int = 16
+    """openai backend: concurrent requests"""
+    seed: int = 0
+    """sampling and pair drawing"""
+    shard: str = ""
+    """i/n: only this shard of the states (default: torchrun RANK/WORLD_SIZE)"""
+
+
+def score_candidates(model, prompt_ids, cand_ids, chunk=1024):
+    """Mean log-prob of each candidate given the prompt: the prompt runs once, then all candidates
+    as one right-padded batch on its KV cache. Returns a [N] tensor."""
+    device = next(model.parameters()).device
+    prompt = torch.tensor([prompt_ids], device=device)
+    out = model(input_ids=prompt, use_cache=True)
+    first_logits = out.logits[0, -1]  # predicts every candidate's first token
+    n, L = len(cand_ids), max(len(c) for c in cand_ids)
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(n)  # [1, ...] -> [N, ...]
+    ids = torch.full((n, L), 0, dtype=torch.long, device=device)
+    mask = torch.zeros((n, len(prompt_ids) + L), dtype=torch.long, device=device)
+    mask[:, :len(prompt_ids)] = 1
+    for i, c in enumerate(cand_ids):
+        ids[i, :len(c)] = torch.tensor(c, device=device)
+        mask[i, len(prompt_ids):len(prompt_ids) + len(c)] = 1
+    logits = model(input_ids=ids, past_key_values=cache, attention_mask=mask).logits  # [N, L, vocab]
+    # position j of the candidate batch predicts candidate token j+1; the prompt's last position predicts token 0
+    logits = torch.cat([first_logits.expand(n, 1, -1), logits[:, :-1]], dim=1)  # [N, L, vocab]
+    means = []
+    for i, c in enumerate(cand_ids):
+        lg, tg = logits[i, :len(c)], ids[i, :len(c)]
+        lp = torch.cat([l.float().gather(1, t[:, None]).squeeze(1) - torch.logsumexp(l.float(), -1)
+                        for l, t in zip(lg.split(chunk), tg.split(chunk))])
+        means.append(lp.mean())
+    return torch.stack(means)
+
+
+def encode_state(tok, prefix, prompt, candidates, max_len):
+    """Token ids of (c + prompt) and of each candidate (+ end-of-turn), as common.tokenize_turns makes them."""
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"] if s else []
+    cands = [enc(c) + [tok.eos_token_id] for c in candidates]
+    keep = max(1, max_len - max(len(c) for c in cands))
+    return (enc(prefix) + enc(prompt))[-keep:], cands
+
+
+def make_pairs(candidates, advantages, k, rng):
+    """k pairs: one candidate from the better half and one from the worse half; the higher is chosen."""
+    order = sorted(range(len(candidates)), key=lambda i: -advantages[i])
+    better, worse = order[: len(order) // 2], order[len(order) // 2:]
+    pairs = []
+    for _ in range(k):
+        if not better or not worse:
+            break
+        a, b = rng.choice(better), rng.choice(worse)
+        if candidates[a] != candidates[b] and advantages[a] > advantages[b]:
+            pairs.append((a, b))
+    return pairs
+
+
+def main(args):
+    settings = json.loads((Path(args.critic) / "run_settings.json").read_text())
+    ref_name, no_info = settings["model"], settings.get("no_training_info", False)
+    policy_name = args.policy or ref_name
+    shard, num_shards = common.parse_shard(args.shard)
+    common.seed_everything(args.seed + shard)
+    rng = random.Random(args.seed + shard)
+
+    graded = common.load_graded(args.trajectories)
+    random.Random(args.seed).shuffle(graded)
+    graded = graded[: max(1, round(args.data_fraction * len(graded)))]
+    states = [(t, i, inp) for t in graded for i, (inp, _) in enumerate(common.agent_turns(t))][shard::num_shards]
+
+    out_path = common.sharded_path(args.output, shard, num_shards)
+    key = lambda r: (r["task_id"], r["sample"], r["turn"])
+    state_log = common.ResumableWriter(Path(f"{out_path}.states.jsonl"), key)
+    # keep only pairs of fully labelled states (a crash between the two writes leaves no half state)
+    if out_path.exists():
+        kept = [r for _, r in common.read_jsonl(out_path, tolerate_partial_last_line=True) if key(r) in state_log.done]
+        common.write_jsonl(out_path, kept)
+    pairs_out = common.ResumableWriter(out_path, key=lambda r: (*key(r), r["chosen"], r["rejected"]))
+    todo = [s for s in states if (s[0]["task_id"], s[0].get("sample", 0), s[1]) not in state_log.done]
+    print(f"{len(states)} states in this shard, {len(states) - len(todo)} done, {len(todo)} to label", file=sys.stderr)
+    if not todo:
+        return
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tok = common.load_tokenizer(ref_name)
+    critic = common.load_model(args.critic, device).eval()
+    ref = common.load_model(ref_name, device).eval()
+    sampler_cls = {"hf": common.HFSampler, "openai": common.OpenAISampler, "vllm": common.VLLMSampler}[args.agent_backend]
+    sampler = sampler_cls(policy_name, args, loaded=ref if policy_name == ref_name else None) \
+        if args.agent_backend == "hf" else sampler_cls(policy_name, args)
+
+    for traj, turn, prompt in common.tqdm_if(todo, True, "states"):
+        candidates = sampler.generate([prompt] * args.num_candidates)  # the policy never sees c
+        prefix = training_info(traj["task"], no_info)  # c reaches the critic (and pi_ref's matching input)
+        prompt_ids, cand_ids = encode_state(tok, prefix, prompt, candidates, args.max_len)
+        with torch.no_grad():
+            advantage = (score_candidates(critic, prompt_ids, cand_ids) - score_candidates(ref, prompt_ids, cand_ids)).tolist()
+        base = {"task_id": traj["task_id"], "sample": traj.get("sample", 0), "turn": turn}
+        for a, b in make_pairs(candidates, advantage, args.pairs_per_state, rng):
+            pairs_out.write({"prompt": prompt, "chosen": candidates[a], "rejected": candidates[b],
+                             "chosen_advantage": advantage[a], "rejected_advantage": advantage[b], **base})
+        state_log.write({**base, "candidates": candidates, "advantages": advantage})
+    pairs_out.close()
+    state_log.close()
+    print(f"wrote {out_path}")
+
+
+if __name__ == "__main__":
+    main(common.parse_args(Args, __doc__))

@@ -1,0 +1,85 @@
+"""Task files: procedural generation, import with errors naming file and line, the llm source."""
+import json
+import random
+
+import pytest
+
+import common
+import generate_tasks
+from conftest import read_jsonl, run_script
+
+# A plausible answer per family written WITHOUT the hidden facts (the obvious defaults a model guesses).
+NAIVE = {
+    "threshold": lambda fn, a: f"def {fn}({a[0]}):\n    return 'pass' if {a[0]} >= 50 else 'fail'",
+    "fee": lambda fn, a: f"def {fn}({a[0]}):\n    return 10 * {a[0]}",
+    "greeting": lambda fn, a: f"def {fn}({a[0]}):\n    return 'Hello, ' + {a[0]} + '!'",
+    "convert": lambda fn, a: f"def {fn}({a[0]}):\n    return {a[0]} * 10",
+    "aggregate": lambda fn, a: f"def {fn}({a[0]}):\n    return sum({a[0]})",
+    "score": lambda fn, a: f"def {fn}({a[0]}, {a[1]}):\n    return {a[0]} * 3 + {a[1]}",
+}
+
+
+def test_procedural_is_deterministic_and_splits_are_disjoint(tmp_path):
+    for name, seed in [("a", 3), ("b", 3), ("c", 4)]:
+        run_script("generate_tasks.py", "--num_tasks", "40", "--seed", seed, "--output", tmp_path / f"{name}.jsonl")
+    a, b, c = (read_jsonl(tmp_path / f"{n}.jsonl") for n in "abc")
+    assert a == b and len(a) == 40
+    assert a != c  # another seed, other tasks (a rare collision is possible: --exclude rules it out)
+    run_script("generate_tasks.py", "--num_tasks", "40", "--seed", 4, "--exclude", tmp_path / "a.jsonl",
+               "--output", tmp_path / "d.jsonl")
+    d = read_jsonl(tmp_path / "d.jsonl")
+    assert len(d) == 40 and not {t["task_id"] for t in a} & {t["task_id"] for t in d}  # --exclude guarantees disjoint splits
+    for t in a:
+        assert t["problem_description"].split("The signature of the function is: def ")[1].startswith(t["ground_truth"][4:].split(":")[0])
+        assert len(t["test_cases"]) == 10 and all(l.strip() for l in t["hidden_information"].splitlines())
+
+
+def test_every_family_needs_its_hidden_facts():
+    rng = random.Random(0)
+    for family, naive in NAIVE.items():
+        fails = 0
+        for _ in range(10):
+            t = generate_tasks.procedural_task(rng, family)
+            sig = t["problem_description"].split("def ")[-1]
+            fn, args = sig.split("(")[0], [a.strip() for a in sig.split("(")[1].rstrip(")").split(",")]
+            assert common.grade_code(t, t["ground_truth"])["success"]
+            fails += not common.grade_code(t, naive(fn, args))["success"]
+        assert fails == 10, f"{family}: a guess without the facts passed {10 - fails}/10 tasks"
+
+
+def test_file_source_reports_bad_lines(tmp_path):
+    good = generate_tasks.procedural_task(random.Random(1))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(good) + "\n" + "{not json\n")
+    with pytest.raises(common.DataError, match=r"bad.jsonl:2: not valid JSON"):
+        common.load_tasks(bad)
+    bad.write_text(json.dumps(good) + "\n" + json.dumps({k: v for k, v in good.items() if k != "test_cases"}) + "\n")
+    with pytest.raises(common.DataError, match=r"bad.jsonl:2: missing field 'test_cases'"):
+        common.load_tasks(bad)
+    p = __import__("subprocess").run([__import__("sys").executable, "generate_tasks.py", "--source", "file", "--input",
+                                      str(bad), "--output", str(tmp_path / "o.jsonl")], capture_output=True, text=True,
+                                     cwd=common.Path(common.__file__).parent)
+    assert p.returncode != 0 and "bad.jsonl:2" in p.stderr
+
+
+def test_file_source_reads_jsonl_and_datasets_dirs(tmp_path):
+    import datasets
+    tasks = [generate_tasks.procedural_task(random.Random(i)) for i in range(5)]
+    for t in tasks:
+        t.pop("family")
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    run_script("generate_tasks.py", "--source", "file", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl")
+    out = read_jsonl(tmp_path / "out.jsonl")
+    assert [{k: t[k] for k in tasks[0]} for t in out] == tasks and all(len(t["task_id"]) == 12 for t in out)
+    datasets.Dataset.from_list([dict(t, test_cases=json.dumps(t["test_cases"])) for t in tasks]).save_to_disk(tmp_path / "ds")
+    assert [t["task_id"] for t in common.load_tasks(tmp_path / "ds")] == [t["task_id"] for t in out]
+
+
+def test_llm_source_against_local_server(tmp_path, simulator_url):
+    (tmp_path / "seeds.txt").write_text("I run a bakery.\nI coach a football team.\nI collect stamps.\n")
+    run_script("generate_tasks.py", "--source", "llm", "--endpoint", simulator_url, "--seed_texts", tmp_path / "seeds.txt",
+               "--num_tasks", "3", "--output", tmp_path / "llm.jsonl")
+    out = read_jsonl(tmp_path / "llm.jsonl")
+    assert len(out) == 3 and all(common.grade_code(t, t["ground_truth"])["success"] for t in out)
+    assert generate_tasks.parse_llm_task("no json here") is None
+    assert generate_tasks.parse_llm_task('{"ground_truth": "def f(): pass"}') is None

@@ -1,0 +1,172 @@
+"""Train SWEET-RL's asymmetric critic with a Bradley-Terry objective over trajectory pairs.
+
+Reads:  graded trajectories JSONL (evaluate.py output, or the public offline set graded).
+Writes: an HF checkpoint of the critic in --output_dir, run_settings.json (label_turns.py reads
+        it: pi_ref, beta, whether the critic sees the training-time information) and log.jsonl.
+
+    python train_critic.py --trajectories runs/train_graded.jsonl --model embedded --output_dir runs/critic
+    torchrun --nproc_per_node 8 train_critic.py ... --grad_ckpt       # FSDP2, same arguments
+
+The critic is a causal LM initialised from the policy (pi_ref); it reads the training-time
+information c (the ground truth) before the dialogue. For agent turn t (PAPER.md §3):
+    A(o_t, a_t, c) = beta * mean over the turn's tokens of [log pi_critic - log pi_ref]
+    L_critic = -log sigmoid( sum_t A(o_t+, a_t+, c) - sum_t A(o_t-, a_t-, c) )
+Pairs: per task the best sample must succeed; every lower-reward sample is a rejected partner.
+
+Logged: loss; acc = share of pairs whose chosen score is higher; margin = score(chosen) -
+score(rejected); heldout_* the same on 10% of the tasks' pairs (held out, never trained on);
+tokens_per_s.
+
+Deviations from the paper / released code:
+1. `--normalization trajectory` reproduces the released code: one mean over all agent tokens of
+   the trajectory instead of the sum of per-turn means (`turn`, the default, is the paper's).
+2. pi_ref's log-probs are computed once before training (it is frozen), not at every step.
+3. c is a plain-text block before the first stored prompt (the stored prompt is used as is).
+"""
+from __future__ import annotations
+
+import json
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import common
+
+
+@dataclass
+class Args:
+    trajectories: str
+    """graded trajectories JSONL (evaluate.py output)"""
+    output_dir: str
+    """where to save the critic (HF checkpoint)"""
+    model: str = "embedded"
+    """the critic's starting point and pi_ref: the policy (HF path or id)"""
+    task_type: str = "code"
+    """code | html (decides how pairs are built)"""
+    beta: float = 0.1
+    """scale of the log-ratio advantage"""
+    lr: float = 2e-7
+    """AdamW learning rate (released: 2e-7 for 8B)"""
+    epochs: int = 4
+    """passes over the pairs (released: 4)"""
+    batch_size: int = 8
+    """pairs per optimizer step, over all ranks"""
+    max_len: int = 8192
+    """longest token sequence; longer ones keep their last max_len tokens"""
+    normalization: str = "turn"
+    """turn: sum of per-turn mean log-ratios (paper) | trajectory: one mean over all agent tokens (released code)"""
+    no_training_info: bool = False
+    """ablation: the critic does not see the ground truth"""
+    heldout_fraction: float = 0.1
+    """share of tasks whose pairs are held out for evaluation"""
+    grad_ckpt: bool = False
+    """activation checkpointing"""
+    seed: int = 0
+    """data order and held-out split"""
+
+
+def training_info(task, no_training_info=False):
+    """The critic's view of c: the reference solution, before the dialogue (never shown to the policy)."""
+    if no_training_info:
+        return ""
+    return f"Reference solution (training-time information, hidden from the agent):\n{task['ground_truth']}\n\n"
+
+
+# ================================ CRITIC SCORE AND LOSS ========================================
+# A critic variant (a value head, another normalisation, an LLM judge...) is an edit of this block.
+def trajectory_score(critic, seqs, ref_sum, ref_count, n_turns, beta, normalization):
+    """Score of one trajectory from the critic's per-turn log-probs and pi_ref's (same inputs)."""
+    logp_sum, count = common.turn_logprobs(critic, seqs, n_turns)  # [n_turns] each
+    ref_sum = torch.tensor(ref_sum, device=logp_sum.device)
+    if normalization == "turn":
+        advantage = beta * (logp_sum - ref_sum) / count.clamp(min=1)  # A(o_t, a_t, c): [n_turns]
+        return advantage.sum()  # sum_t A_t (turns with no tokens left after truncation add 0)
+    return beta * (logp_sum.sum() - ref_sum.sum()) / count.sum().clamp(min=1)  # released: one mean over all tokens
+
+
+def critic_loss(score_chosen, score_rejected):
+    return -F.logsigmoid(score_chosen - score_rejected)  # L_critic = -log sigmoid(S(tau+) - S(tau-))
+# ===============================================================================================
+
+
+def main(args):
+    if args.normalization not in ("turn", "trajectory"):
+        sys.exit("--normalization: choose turn or trajectory")
+    rank, world, device = common.init_distributed()
+    torch.manual_seed(args.seed)
+    tok = common.load_tokenizer(args.model)
+    graded = common.load_graded(args.trajectories)
+    pairs = common.trajectory_pairs(graded, args.task_type)
+    if not pairs:
+        sys.exit(f"{args.trajectories}: no trajectory pairs (need tasks whose best sample succeeds and another "
+                 f"sample with a lower reward; roll out more samples per task)")
+    # trajectories used by some pair, tokenised once with c before the dialogue
+    trajs = {id(t): t for pair in pairs for t in pair}
+    for t in trajs.values():
+        t["turns"] = common.agent_turns(t)
+        t["seqs"] = common.tokenize_turns(tok, t["turns"], training_info(t["task"], args.no_training_info), args.max_len)
+    # hold out the pairs of 10% of the tasks
+    task_ids = sorted({c["task_id"] for c, _ in pairs})
+    random.Random(args.seed).shuffle(task_ids)
+    n_held = int(round(args.heldout_fraction * len(task_ids))) if len(task_ids) > 1 else 0
+    held = set(task_ids[:n_held])
+    train_pairs = [p for p in pairs if p[0]["task_id"] not in held]
+    held_pairs = [p for p in pairs if p[0]["task_id"] in held]
+    if rank == 0:
+        print(f"{len(pairs)} pairs from {len(task_ids)} tasks: {len(train_pairs)} train, {len(held_pairs)} held out",
+              flush=True)
+
+    critic = common.shard_model(common.load_model(args.model, device, args.grad_ckpt), world, device)
+    # pi_ref = the starting critic weights: its per-turn log-probs once, before any update
+    tlist = list(trajs.values())
+    def ref_fn(m, t):
+        s, c = common.turn_logprobs(m, t["seqs"], len(t["turns"]))
+        return (s.tolist(), c.tolist()), len(t["seqs"])
+    for t, (s, c) in zip(tlist, common.precompute(critic, tlist, ref_fn, rank, world)):
+        t["ref_sum"], t["ref_count"] = s, c
+
+    def score(m, t):
+        return trajectory_score(m, t["seqs"], t["ref_sum"], t["ref_count"], len(t["turns"]), args.beta, args.normalization)
+
+    def loss_fn(m, local, global_n):
+        loss, metrics, n_fwd = torch.zeros((), device=device), {"n": len(local), "tokens": 0}, 0
+        for chosen, rejected in local:
+            s_c, s_r = score(m, chosen), score(m, rejected)
+            l = critic_loss(s_c, s_r)
+            loss = loss + l / global_n
+            n_fwd += len(chosen["seqs"]) + len(rejected["seqs"])
+            metrics["tokens"] += sum(len(s[0]) for s in chosen["seqs"] + rejected["seqs"])
+            for k, v in {"loss": l.item(), "acc": float(s_c > s_r), "margin": (s_c - s_r).item()}.items():
+                metrics[k] = metrics.get(k, 0) + v
+        return loss, n_fwd, metrics
+
+    def evaluate(name, eval_pairs):
+        if not eval_pairs:
+            return {}
+        critic.eval()
+        res = common.precompute(critic, eval_pairs, lambda m, p: ((score(m, p[0]) - score(m, p[1])).item(),
+                                                                   len(p[0]["seqs"]) + len(p[1]["seqs"])),
+                                rank, world, desc=f"{name} pairs")
+        critic.train()
+        margins = torch.tensor(res)
+        return {f"{name}_loss": F.softplus(-margins).mean().item(), f"{name}_acc": (margins > 0).float().mean().item(),
+                f"{name}_margin": margins.mean().item()}
+
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    critic.train()
+    history = common.train_loop(critic, train_pairs, loss_fn, args, rank, world, log_path=Path(args.output_dir) / "log.jsonl")
+    final = {**evaluate("train", train_pairs), **evaluate("heldout", held_pairs)}
+    if rank == 0:
+        print("final " + " ".join(f"{k}={v:.4g}" for k, v in final.items()), flush=True)
+        (Path(args.output_dir) / "final_metrics.json").write_text(json.dumps({"steps": len(history), **final}, indent=2))
+    common.save_checkpoint(critic, tok, args.output_dir, rank, args)
+    if rank == 0:
+        print(f"saved {args.output_dir}")
+
+
+if __name__ == "__main__":
+    main(common.parse_args(Args, __doc__))

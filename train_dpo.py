@@ -1,0 +1,159 @@
+"""Train the policy: SWEET-RL's turn-level DPO, or the paper's baselines.
+
+Reads:  --mode turn:       PAIRS JSONL from label_turns.py (prompt, chosen, rejected, ...)
+        --mode trajectory: graded trajectories (evaluate.py) -> trajectory pairs (multi-turn DPO)
+        --mode sft:        graded trajectories -> agent turns of successful ones (rejection fine-tuning)
+Writes: an HF checkpoint in --output_dir (+ run_settings.json, log.jsonl).
+
+    python train_dpo.py --pairs runs/pairs.jsonl --model embedded --output_dir runs/sweet
+    python train_dpo.py --mode trajectory --trajectories runs/train_graded.jsonl --output_dir runs/mtdpo
+    python train_dpo.py --mode sft --trajectories runs/train_graded.jsonl --output_dir runs/rft
+    torchrun --nproc_per_node 8 train_dpo.py ...     # FSDP2, same arguments
+
+The update (PAPER.md §3), with logp = log pi(a|o) summed over the turn's tokens:
+    L = -log sigmoid(beta * [logp(a+) - logp_ref(a+)] - beta * [logp(a-) - logp_ref(a-)]) + nll_coef * NLL(a+)
+NLL(a+) is the mean per-token negative log-likelihood of the chosen turn. The actor never sees the
+training-time information c. Reference log-probs come from one pass of the initial model before
+training (pi_ref = the starting policy).
+
+Logged metrics (TRL's names): rewards/chosen = beta*(logp(a+)-logp_ref(a+)); rewards/rejected likewise;
+rewards/margins = chosen - rejected; rewards/accuracies = share of pairs with a positive margin;
+nll = NLL(a+); loss = the total loss; tokens_per_s = tokens forwarded per second (all ranks).
+
+Deviations: constant learning rate, no warm-up (the released recipe uses its framework's schedule);
+`trajectory` pairs are built like the critic's (common.trajectory_pairs).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import common
+
+
+@dataclass
+class Args:
+    output_dir: str
+    """where to save the trained policy (HF checkpoint)"""
+    pairs: str = ""
+    """turn mode: PAIRS JSONL from label_turns.py"""
+    trajectories: str = ""
+    """trajectory/sft modes: graded trajectories JSONL"""
+    task_type: str = "code"
+    """code | html (decides how trajectory pairs are built)"""
+    mode: str = "turn"
+    """turn (SWEET-RL) | trajectory (multi-turn DPO baseline) | sft (rejection fine-tuning)"""
+    model: str = "embedded"
+    """starting policy = pi_ref (HF path or id; 'embedded' = SmolLM2-135M-Instruct)"""
+    beta: float = 0.1
+    """DPO temperature"""
+    nll_coef: float = 0.01
+    """weight of the NLL of the chosen turn (lambda)"""
+    lr: float = 2e-7
+    """AdamW learning rate (paper: 2e-7 for 8B)"""
+    epochs: int = 1
+    """passes over the data"""
+    batch_size: int = 8
+    """pairs (or trajectories) per optimizer step, over all ranks"""
+    max_len: int = 16384
+    """longest token sequence; longer ones keep their last max_len tokens"""
+    grad_ckpt: bool = False
+    """activation checkpointing (less memory, ~30% slower)"""
+    seed: int = 0
+    """data order"""
+
+
+def dpo_loss(logp_c, logp_r, ref_c, ref_r, beta):
+    """Sigmoid DPO on summed log-probs. Returns (loss per pair, reward of chosen, reward of rejected)."""
+    rewards_c = beta * (logp_c - ref_c)
+    rewards_r = beta * (logp_r - ref_r)
+    return -F.logsigmoid(rewards_c - rewards_r), rewards_c.detach(), rewards_r.detach()  # L_DPO
+
+
+def build_examples(args):
+    """Each example: {'chosen': turns, 'rejected': turns} (DPO) or {'chosen': turns} (sft)."""
+    if args.mode == "turn":
+        rows = common.read_jsonl(args.pairs)
+        for line, r in rows:
+            for f in ("prompt", "chosen", "rejected"):
+                if f not in r:
+                    raise common.DataError(f"{args.pairs}:{line}: missing '{f}' (expected label_turns.py output)")
+        return [{"chosen": [(r["prompt"], r["chosen"])], "rejected": [(r["prompt"], r["rejected"])]} for _, r in rows]
+    graded = common.load_graded(args.trajectories)
+    if args.mode == "trajectory":
+        return [{"chosen": common.agent_turns(c), "rejected": common.agent_turns(r)}
+                for c, r in common.trajectory_pairs(graded, args.task_type)]
+    return [{"chosen": common.agent_turns(r)} for r in graded if r.get("success", r["reward"] >= 1.0)]
+
+
+def main(args):
+    if args.mode not in ("turn", "trajectory", "sft"):
+        sys.exit(f"--mode {args.mode}: choose turn, trajectory or sft")
+    if args.mode == "turn" and not args.pairs or args.mode != "turn" and not args.trajectories:
+        sys.exit("--mode turn needs --pairs; --mode trajectory/sft need --trajectories")
+    rank, world, device = common.init_distributed()
+    torch.manual_seed(args.seed)
+    tok = common.load_tokenizer(args.model)
+    examples = build_examples(args)
+    if not examples:
+        sys.exit(f"no training examples for --mode {args.mode} (no pairs / no successful trajectories)")
+    if rank == 0:
+        print(f"{len(examples)} examples for --mode {args.mode}", flush=True)
+    for ex in examples:  # tokenise once
+        for side in ("chosen", "rejected"):
+            if side in ex:
+                ex[side + "_seqs"] = common.tokenize_turns(tok, ex[side], max_len=args.max_len)
+    model = common.shard_model(common.load_model(args.model, device, args.grad_ckpt), world, device)
+
+    def summed_logp(m, seqs, n_turns):
+        total, count = common.turn_logprobs(m, seqs, n_turns)
+        return total.sum(), count.sum()
+
+    if args.mode != "sft":  # pi_ref log-probs once, with the starting weights
+        def ref_fn(m, ex):
+            c = summed_logp(m, ex["chosen_seqs"], len(ex["chosen"]))[0].item()
+            r = summed_logp(m, ex["rejected_seqs"], len(ex["rejected"]))[0].item()
+            return (c, r), len(ex["chosen_seqs"]) + len(ex["rejected_seqs"])
+        for ex, (c, r) in zip(examples, common.precompute(model, examples, ref_fn, rank, world)):
+            ex["ref_chosen"], ex["ref_rejected"] = c, r
+    model.train()
+
+    def loss_fn(m, local, global_n):
+        zero = torch.zeros((), device=device)
+        loss, metrics, n_fwd = zero, {"n": len(local), "tokens": 0}, 0
+        for ex in local:
+            logp_c, n_c = summed_logp(m, ex["chosen_seqs"], len(ex["chosen"]))
+            n_fwd += len(ex["chosen_seqs"])
+            nll = -logp_c / n_c.clamp(min=1)  # mean per-token NLL of the chosen side
+            metrics["tokens"] += sum(len(s[0]) for s in ex["chosen_seqs"])
+            if args.mode == "sft":
+                loss = loss + nll / global_n
+                metrics["loss"] = metrics.get("loss", 0) + nll.item()
+                metrics["nll"] = metrics.get("nll", 0) + nll.item()
+                continue
+            logp_r, _ = summed_logp(m, ex["rejected_seqs"], len(ex["rejected"]))
+            n_fwd += len(ex["rejected_seqs"])
+            metrics["tokens"] += sum(len(s[0]) for s in ex["rejected_seqs"])
+            l_dpo, r_c, r_r = dpo_loss(logp_c, logp_r, torch.tensor(ex["ref_chosen"], device=device),
+                                       torch.tensor(ex["ref_rejected"], device=device), args.beta)
+            l = l_dpo + args.nll_coef * nll  # L_policy = L_DPO + lambda * NLL(a+)
+            loss = loss + l / global_n
+            for k, v in {"loss": l.item(), "rewards/chosen": r_c.item(), "rewards/rejected": r_r.item(),
+                         "rewards/margins": (r_c - r_r).item(), "rewards/accuracies": float(r_c > r_r),
+                         "nll": nll.item()}.items():
+                metrics[k] = metrics.get(k, 0) + v
+        return loss, n_fwd, metrics
+
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    common.train_loop(model, examples, loss_fn, args, rank, world, log_path=Path(args.output_dir) / "log.jsonl")
+    common.save_checkpoint(model, tok, args.output_dir, rank, args)
+    if rank == 0:
+        print(f"saved {args.output_dir}")
+
+
+if __name__ == "__main__":
+    main(common.parse_args(Args, __doc__))

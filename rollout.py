@@ -153,7 +153,7 @@ def main(args):
                 done.append(finish(ep, "error"))
                 continue
             out = outputs[i]
-            ep["dialogue"].append({"role": "assistant", "content": out.strip(), "input": prompts[i], "output": out})
+            ep["dialogue"].append({"role": "assistant", "content": out, "input": prompts[i], "output": out})
             turns = sum(m["role"] == "assistant" for m in ep["dialogue"])
             if common.ANSWER_MARKER in out:
                 done.append(finish(ep, "answered"))

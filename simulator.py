@@ -78,7 +78,8 @@ def scripted_reply(hidden, question, max_lines=2):
     if not scored:
         return "I don't know, sorry."
     best = sorted(sorted(scored)[:max_lines], key=lambda s: s[1])  # the best lines, in original order
-    return " ".join(line for _, _, line in best)
+    is_code = hidden.lstrip().startswith(("def ", "import ", "from ", "class "))
+    return ("\n" if is_code else " ").join(line for _, _, line in best)
 
 
 def scripted_task_writer(prompt):

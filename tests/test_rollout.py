@@ -1,0 +1,91 @@
+"""Rollouts end to end: tiny random model (hf backend) and the oracle, with the scripted human."""
+import json
+
+import pytest
+
+import common
+from conftest import read_jsonl, run_script
+
+
+def rollout(tasks, out, url, *extra):
+    return run_script("rollout.py", "--tasks", tasks, "--output", out, "--simulator_url", url, *extra)
+
+
+def test_hf_rollout_schema_resume_and_reproducible(tiny_model, task_files, simulator_url, tmp_path):
+    train, _ = task_files
+    base = ["--agent_model", tiny_model, "--max_new_tokens", "12", "--max_turns", "3", "--samples", "2", "--seed", "5",
+            "--batch_size", "3"]
+    rollout(train, tmp_path / "a.jsonl", simulator_url, "--num_tasks", "2", *base)
+    first = read_jsonl(tmp_path / "a.jsonl")
+    assert len(first) == 4
+    for r in first:
+        assert set(r) >= {"task", "dialogue_history", "answer", "task_id", "sample", "num_turns", "finish"}
+        assert r["finish"] in ("answered", "max_turns") and 1 <= r["num_turns"] <= 3
+        if r["finish"] == "max_turns":
+            assert r["num_turns"] == 3
+        roles = [m["role"] for m in r["dialogue_history"]]
+        assert roles[0] == "user" and roles[1::2] == ["assistant"] * r["num_turns"]
+        for i, m in enumerate(r["dialogue_history"]):
+            if m["role"] == "assistant":
+                assert m["input"].endswith("<|im_start|>assistant\n") and m["content"] == m["output"]
+                assert r["task"]["problem_description"] in m["input"] and r["task"]["ground_truth"] not in m["input"]
+                if i + 1 < len(r["dialogue_history"]):  # the human's reply, cut to 400 characters
+                    assert len(r["dialogue_history"][i + 1]["content"]) <= 400
+    # resume: a larger run adds only what is missing, no duplicates
+    rollout(train, tmp_path / "a.jsonl", simulator_url, "--num_tasks", "3", *base)
+    second = read_jsonl(tmp_path / "a.jsonl")
+    assert second[:4] == first and len(second) == 6
+    assert len({(r["task_id"], r["sample"]) for r in second}) == 6
+    # a killed run leaves half a line: the rerun drops it and redoes that dialogue
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in second[:5]) + json.dumps(second[5])[:50])
+    rollout(train, tmp_path / "a.jsonl", simulator_url, "--num_tasks", "3", *base)
+    assert len(read_jsonl(tmp_path / "a.jsonl")) == 6
+    # the same seed and command give the same dialogues
+    rollout(train, tmp_path / "b.jsonl", simulator_url, "--num_tasks", "3", *base)
+    rollout(train, tmp_path / "c.jsonl", simulator_url, "--num_tasks", "3", *base)
+    strip = lambda rows: sorted(json.dumps(r, sort_keys=True) for r in rows)
+    assert strip(read_jsonl(tmp_path / "b.jsonl")) == strip(read_jsonl(tmp_path / "c.jsonl"))
+
+
+def test_oracle_solves_tasks_and_shards_merge(task_files, simulator_url, tmp_path, tiny_model):
+    train, _ = task_files
+    for i in range(2):
+        rollout(train, tmp_path / "o.jsonl", simulator_url, "--agent_backend", "oracle", "--agent_model", tiny_model,
+                "--shard", f"{i}/2")
+    merged = tmp_path / "merged.jsonl"
+    merged.write_text((tmp_path / "o.jsonl.shard-0-of-2").read_text() + (tmp_path / "o.jsonl.shard-1-of-2").read_text())
+    run_script("evaluate.py", "--input", merged, "--output", tmp_path / "g.jsonl", "--summary", tmp_path / "s.json")
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert s["num_trajectories"] == 30 and s["success_rate"] == 1.0 and s["answered_rate"] == 1.0
+    graded = read_jsonl(tmp_path / "g.jsonl")
+    assert all(r["reward"] == 1.0 and r["success"] for r in graded)
+    # the human revealed each fact the oracle asked about
+    for r in graded:
+        said = " ".join(m["content"] for m in r["dialogue_history"] if m["role"] == "user")
+        assert all(fact in said for fact in r["task"]["hidden_information"].splitlines())
+
+
+def test_unreachable_simulator_keeps_finished_work(task_files, tmp_path, tiny_model):
+    import subprocess
+    import sys
+    train, _ = task_files
+    p = subprocess.run([sys.executable, "rollout.py", "--tasks", str(train), "--output", str(tmp_path / "x.jsonl"),
+                        "--simulator_url", "http://127.0.0.1:9", "--agent_backend", "oracle", "--agent_model", tiny_model],
+                       capture_output=True, text=True, cwd=common.Path(common.__file__).parent, timeout=300)
+    assert p.returncode != 0 and "failed after" in p.stderr
+
+
+def test_evaluate_accepts_released_schema_without_ids(tmp_path, task_files):
+    train, _ = task_files
+    tasks = read_jsonl(train)[:2]
+    rows = [{"task": {k: v for k, v in t.items() if k != "task_id"}, "dialogue_history": [], "answer": a}
+            for t in tasks for a in (t["ground_truth"], "def nope(): pass")]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_script("evaluate.py", "--input", tmp_path / "t.jsonl", "--output", tmp_path / "g.jsonl", "--k", "2",
+               "--summary", tmp_path / "s.json")
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert (s["success_rate"], s["best_of_k_success"], s["num_tasks"]) == (0.5, 1.0, 2)
+    assert [r["sample"] for r in read_jsonl(tmp_path / "g.jsonl")] == [0, 1, 0, 1]
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"task": tasks[0]}) + "\n")
+    with pytest.raises(common.DataError, match=r"bad.jsonl:1: missing field 'dialogue_history'"):
+        __import__("evaluate").load_trajectories(tmp_path / "bad.jsonl")

@@ -1,0 +1,86 @@
+"""The simulated human over real HTTP on localhost, and the client's retries."""
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+import common
+import simulator
+
+TASK = {"problem_description": "Label a score. The signature of the function is: def grade_exam(score)",
+        "hidden_information": "A score of 62 or more gets the label 'gold'.\nA score below 62 gets the label 'silver'.\n"
+                              "The shop opens at 9.", "ground_truth": "", "test_cases": {}}
+
+
+def ask(url, question):
+    client = common.ChatClient(url)
+    dialogue = [{"role": "user", "content": TASK["problem_description"]}, {"role": "assistant", "content": question}]
+    return client.chat(common.human_messages(TASK, dialogue), temperature=0.0)
+
+
+def test_models_and_scripted_answers(simulator_url):
+    assert common.ChatClient(simulator_url).model == "scripted-human"
+    reply = ask(simulator_url, "What score gets the label gold?")
+    assert "62" in reply and "shop" not in reply and len(reply) <= common.HUMAN_MAX_CHARS["code"]
+    assert ask(simulator_url, "What is your favourite colour?") == "I don't know, sorry."
+    assert ask(simulator_url, "When does the shop open?") == "The shop opens at 9."
+
+
+def test_scripted_reply_at_most_two_lines_and_code_lines():
+    hidden = "a b c\nscore rule one\nscore rule two\nscore rule three"
+    assert simulator.scripted_reply(hidden, "what is the score rule?").count("score rule") == 2
+    code = "def f(price, qty):\n    discount = 0.15\n    return price * qty * (1 - discount)"
+    assert simulator.scripted_reply(code, "Is there a discount?") == "discount = 0.15\nreturn price * qty * (1 - discount)"
+    assert simulator.scripted_reply(code, "What about the weather?") == "I don't know, sorry."
+
+
+def test_bad_requests_get_400_and_unknown_routes_404(simulator_url):
+    import requests
+    assert requests.post(simulator_url + "/v1/chat/completions", data="{oops").status_code == 400
+    assert requests.get(simulator_url + "/v1/nothing").status_code == 404
+
+
+def test_client_retries_5xx_then_succeeds():
+    calls = []
+
+    class Flaky(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            calls.append(1)
+            if len(calls) < 3:
+                self.send_response(503)
+                self.end_headers()
+                return
+            body = json.dumps({"choices": [{"message": {"role": "assistant", "content": "fine"}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Flaky)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = common.ChatClient(f"http://127.0.0.1:{server.server_address[1]}", model="m", backoff=0.01)
+    assert client.chat([{"role": "user", "content": "hi"}]) == "fine" and len(calls) == 3
+    server.shutdown()
+
+
+def test_unreachable_server_is_a_clear_error():
+    with pytest.raises(ConnectionError, match="failed after 3 tries.*simulator.py"):
+        common.ChatClient("http://127.0.0.1:9", model="m", retries=2, backoff=0.01).chat([{"role": "user", "content": "x"}])
+
+
+def test_simulator_script_prints_its_url():
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "simulator.py", "--port", "0"], cwd=common.Path(common.__file__).parent,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert "ready at http://127.0.0.1:" in line
+        url = line.split("ready at ")[1].strip()
+        assert common.ChatClient(url).model == "scripted-human"
+    finally:
+        p.kill()

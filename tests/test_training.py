@@ -1,0 +1,213 @@
+"""Per-turn log-probs, the critic objective, turn labelling and DPO, checked against naive computations."""
+import json
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+import common
+import label_turns
+import train_critic
+import train_dpo
+from conftest import read_jsonl, run_script
+
+
+def make_traj(tok, task, outputs, replies, reward, sample=0):
+    """A trajectory in the released schema, with inputs rendered exactly as rollout.py renders them."""
+    dialogue = [{"role": "user", "content": task["problem_description"]}]
+    for out, reply in zip(outputs, replies + [None]):
+        inp = common.render_prompt(tok, common.agent_messages(task, dialogue))
+        dialogue.append({"role": "assistant", "content": out, "input": inp, "output": out})
+        if reply is not None:
+            dialogue.append({"role": "user", "content": reply})
+    return {"task": task, "task_id": task["task_id"], "sample": sample, "dialogue_history": dialogue,
+            "answer": outputs[-1], "reward": reward, "success": reward == 1.0}
+
+
+TASK = {"task_id": "t0", "problem_description": "Write f. The signature of the function is: def f(x)",
+        "hidden_information": "Double it.", "ground_truth": "def f(x):\n    return x * 2\n", "test_cases": {"a": "f(1)"}}
+
+
+@pytest.fixture(scope="module")
+def tok_model(tiny_model):
+    tok = common.load_tokenizer(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="eager").eval()
+    return tok, model
+
+
+def naive_turn_logprobs(model, tok, turns, prefix=""):
+    """One forward per turn on (prefix + input + output + eos), full log-softmax."""
+    sums = []
+    for inp, out in turns:
+        p = tok(prefix, add_special_tokens=False)["input_ids"] + tok(inp, add_special_tokens=False)["input_ids"]
+        o = tok(out, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        ids = torch.tensor([p + o])
+        logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+        sums.append(sum(logp[len(p) - 1 + j, t].item() for j, t in enumerate(o)))
+    return sums
+
+
+def test_one_forward_equals_per_turn_forwards(tok_model):
+    tok, model = tok_model
+    traj = make_traj(tok, TASK, ["What factor?", "Is it 2?", "I WANT TO ANSWER: def f(x): return 2*x"],
+                     ["Double it.", "I don't know."], 1.0)
+    turns = common.agent_turns(traj)
+    prefix = train_critic.training_info(TASK)
+    seqs = common.tokenize_turns(tok, turns, prefix)
+    assert len(seqs) == 1  # prefix-consistent chat: the whole trajectory is one sequence
+    ids, turn_of = seqs[0]
+    assert all(t == -1 for t in turn_of[:len(tok(prefix, add_special_tokens=False)["input_ids"])])  # c never counts
+    for t, (_, out) in enumerate(turns):  # exactly the output tokens + end-of-turn belong to turn t
+        assert [i for i, k in zip(ids, turn_of) if k == t] == tok(out, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    with torch.no_grad():
+        total, count = common.turn_logprobs(model, seqs, len(turns))
+    assert total.tolist() == pytest.approx(naive_turn_logprobs(model, tok, turns, prefix), abs=1e-5)
+    # a template that rewrites history falls back to one sequence per turn, same numbers
+    broken = [(inp.replace("What factor?", "What factor??"), out) for inp, out in turns]
+    seqs2 = common.tokenize_turns(tok, broken, prefix)
+    assert len(seqs2) == 2
+    with torch.no_grad():
+        total2, _ = common.turn_logprobs(model, seqs2, len(turns))
+    assert total2.tolist() == pytest.approx(naive_turn_logprobs(model, tok, broken, prefix), abs=1e-5)
+
+
+def test_critic_score_and_loss_by_hand(tok_model):
+    tok, model = tok_model
+    chosen = make_traj(tok, TASK, ["Which factor?", "I WANT TO ANSWER: def f(x): return x*2"], ["Double it."], 1.0)
+    rejected = make_traj(tok, TASK, ["I WANT TO ANSWER: def f(x): return x"], [], 0.0, sample=1)
+    scores = {}
+    for name, traj in (("c", chosen), ("r", rejected)):
+        turns = common.agent_turns(traj)
+        seqs = common.tokenize_turns(tok, turns, train_critic.training_info(TASK))
+        with torch.no_grad():
+            s, n = common.turn_logprobs(model, seqs, len(turns))
+        ref = (s - torch.tensor([0.3, 0.7][:len(turns)])).tolist()  # a made-up pi_ref, 0.3 / 0.7 nats lower per turn
+        with torch.no_grad():
+            for norm in ("turn", "trajectory"):
+                scores[name, norm] = train_critic.trajectory_score(model, seqs, ref, None, len(turns), 0.1, norm).item()
+        # documented values: turn = beta * sum_t (delta_t / n_t); trajectory = beta * sum_t delta_t / sum_t n_t
+        deltas = [0.3, 0.7][:len(turns)]
+        assert scores[name, "turn"] == pytest.approx(0.1 * sum(d / k for d, k in zip(deltas, n.tolist())), abs=1e-6)
+        assert scores[name, "trajectory"] == pytest.approx(0.1 * sum(deltas) / n.sum().item(), abs=1e-6)
+    loss = train_critic.critic_loss(torch.tensor(scores["c", "turn"]), torch.tensor(scores["r", "turn"])).item()
+    assert loss == pytest.approx(-math.log(1 / (1 + math.exp(-(scores["c", "turn"] - scores["r", "turn"])))), rel=1e-6)
+
+
+def test_only_agent_tokens_count(tok_model):
+    """Changing what the user says changes the context, not which tokens are scored; a different c
+    prefix leaves the advantage of identical critic and reference at exactly zero."""
+    tok, model = tok_model
+    a = make_traj(tok, TASK, ["Q1?", "I WANT TO ANSWER: x"], ["short"], 1.0)
+    b = make_traj(tok, TASK, ["Q1?", "I WANT TO ANSWER: x"], ["a much longer reply from the user here"], 1.0)
+    sa, sb = (common.tokenize_turns(tok, common.agent_turns(t), "prefix") for t in (a, b))
+    agent = lambda s: [i for i, k in zip(*s[0]) if k >= 0]
+    assert agent(sa) == agent(sb)
+    seqs = common.tokenize_turns(tok, common.agent_turns(a), "other c " * 20)
+    with torch.no_grad():
+        s, n = common.turn_logprobs(model, seqs, 2)
+        assert train_critic.trajectory_score(model, seqs, s.tolist(), None, 2, 0.1, "turn").item() == pytest.approx(0, abs=1e-6)
+
+
+def test_prefix_reuse_scoring_equals_naive(tok_model):
+    tok, model = tok_model
+    prompt = common.render_prompt(tok, common.agent_messages(TASK, [{"role": "user", "content": TASK["problem_description"]}]))
+    cands = ["What is the factor?", "I WANT TO ANSWER: def f(x): return x * 2", "?", "Tell me more about x please"]
+    prefix = train_critic.training_info(TASK)
+    p_ids, c_ids = label_turns.encode_state(tok, prefix, prompt, cands, 4096)
+    with torch.no_grad():
+        fast = label_turns.score_candidates(model, p_ids, c_ids)
+        for c, f in zip(cands, fast):
+            s, n = common.turn_logprobs(model, common.tokenize_turns(tok, [(prompt, c)], prefix), 1)
+            assert f.item() == pytest.approx((s / n).item(), abs=1e-4)
+
+
+def test_pairs_come_from_opposite_halves():
+    rng = random.Random(0)
+    cands = [f"c{i}" for i in range(16)]
+    adv = [rng.random() for _ in cands]
+    order = sorted(range(16), key=lambda i: -adv[i])
+    pairs = label_turns.make_pairs(cands, adv, 50, rng)
+    assert len(pairs) == 50
+    for a, b in pairs:
+        assert a in order[:8] and b in order[8:] and adv[a] > adv[b]
+    assert label_turns.make_pairs(["same"] * 4, [1, 2, 3, 4], 4, rng) == []  # identical candidates never pair
+
+
+def test_dpo_loss_and_metrics_match_reference():
+    logp_c, logp_r = torch.tensor([-5.0, -3.0]), torch.tensor([-6.0, -2.0])
+    ref_c, ref_r = torch.tensor([-5.5, -3.0]), torch.tensor([-5.0, -2.5])
+    loss, r_c, r_r = train_dpo.dpo_loss(logp_c, logp_r, ref_c, ref_r, beta=0.1)
+    expect = [-math.log(1 / (1 + math.exp(-0.1 * ((a - b) - (c - d))))) for a, b, c, d in zip(logp_c, logp_r, ref_c, ref_r)]
+    assert loss.tolist() == pytest.approx(expect, rel=1e-6)
+    assert r_c.tolist() == pytest.approx([0.05, 0.0]) and r_r.tolist() == pytest.approx([-0.1, 0.05])
+
+
+def write_graded(tok, path, n_tasks=6):
+    rows = []
+    for k in range(n_tasks):
+        task = dict(TASK, task_id=f"t{k}")
+        rows.append(make_traj(tok, task, ["What is the factor?", "I WANT TO ANSWER: yes yes"], ["Double it."], 1.0, 0))
+        rows.append(make_traj(tok, task, ["I WANT TO ANSWER: no no no"], [], 0.0, 1))
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def test_critic_learns_a_separable_toy_set(tiny_model, tmp_path):
+    tok = common.load_tokenizer(tiny_model)
+    write_graded(tok, tmp_path / "g.jsonl")
+    run_script("train_critic.py", "--trajectories", tmp_path / "g.jsonl", "--model", tiny_model, "--output_dir",
+               tmp_path / "critic", "--lr", "3e-3", "--epochs", "6", "--batch_size", "4", "--heldout_fraction", "0.2")
+    log = read_jsonl(tmp_path / "critic" / "log.jsonl")
+    final = json.loads((tmp_path / "critic" / "final_metrics.json").read_text())
+    assert log[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)  # critic == pi_ref at step 1: every score is 0
+    assert final["train_acc"] == 1.0 and final["train_loss"] < log[0]["loss"]
+    assert "heldout_acc" in final
+    settings = json.loads((tmp_path / "critic" / "run_settings.json").read_text())
+    assert settings["model"] == tiny_model and "git_commit" in settings
+    AutoModelForCausalLM.from_pretrained(tmp_path / "critic")  # a plain HF checkpoint
+
+
+def test_label_turns_then_dpo_modes(tiny_model, tmp_path):
+    tok = common.load_tokenizer(tiny_model)
+    write_graded(tok, tmp_path / "g.jsonl", n_tasks=3)
+    run_script("train_critic.py", "--trajectories", tmp_path / "g.jsonl", "--model", tiny_model, "--output_dir",
+               tmp_path / "critic", "--lr", "1e-3", "--epochs", "1")
+    args = ["--trajectories", tmp_path / "g.jsonl", "--critic", tmp_path / "critic", "--output", tmp_path / "pairs.jsonl",
+            "--num_candidates", "4", "--pairs_per_state", "2", "--max_new_tokens", "8", "--data_fraction", "0.5"]
+    run_script("label_turns.py", *args)
+    pairs = read_jsonl(tmp_path / "pairs.jsonl")
+    states = read_jsonl(f"{tmp_path / 'pairs.jsonl'}.states.jsonl")
+    assert len(states) >= 3 and all(len(s["candidates"]) == 4 for s in states)
+    for p in pairs:
+        assert set(p) >= {"prompt", "chosen", "rejected", "chosen_advantage", "rejected_advantage", "task_id", "turn"}
+        assert p["chosen_advantage"] > p["rejected_advantage"]
+        assert TASK["ground_truth"] not in p["prompt"]  # the policy's prompt never holds c
+    run_script("label_turns.py", *args)  # resume: nothing redone
+    assert read_jsonl(tmp_path / "pairs.jsonl") == pairs
+    if pairs:
+        run_script("train_dpo.py", "--pairs", tmp_path / "pairs.jsonl", "--model", tiny_model, "--output_dir",
+                   tmp_path / "sweet", "--lr", "1e-3")
+        log = read_jsonl(tmp_path / "sweet" / "log.jsonl")
+        assert {"rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "nll"} <= set(log[0])
+        assert log[0]["rewards/margins"] == pytest.approx(0, abs=1e-5)  # policy == pi_ref before the first step
+    for mode in ("trajectory", "sft"):
+        run_script("train_dpo.py", "--mode", mode, "--trajectories", tmp_path / "g.jsonl", "--model", tiny_model,
+                   "--output_dir", tmp_path / mode, "--lr", "1e-3", "--epochs", "2", "--batch_size", "2")
+        log = read_jsonl(tmp_path / mode / "log.jsonl")
+        assert len(log) == 4 and log[-1]["loss"] < log[0]["loss"]
+        AutoModelForCausalLM.from_pretrained(tmp_path / mode)
+
+
+def test_nll_term_is_mean_chosen_nll(tok_model):
+    tok, model = tok_model
+    seqs = common.tokenize_turns(tok, [("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "yes")])
+    with torch.no_grad():
+        s, n = common.turn_logprobs(model, seqs, 1)
+    ids = seqs[0][0]
+    logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1], -1)
+    k = int(n.item())
+    manual = -sum(logp[len(ids) - 1 - k + j, ids[len(ids) - k + j]].item() for j in range(int(k))) / k
+    assert (-s / n).item() == pytest.approx(manual, rel=1e-5)

@@ -832,6 +832,11 @@ def precompute(model, items, fn, rank, world, desc="reference log-probs"):
             if world > 1:
                 dummy_forwards(model, all_reduce(n, "max") - n)
     if world > 1:
+        # FSDP2 leaves the root's parameters unsharded after a forward with no backward: reshard, or
+        # an optimizer built next would hold the temporary unsharded tensors and never update them
+        for m in model.modules():
+            if hasattr(m, "reshard"):
+                m.reshard()
         gathered = [None] * world
         dist.all_gather_object(gathered, results)
         results = {k: v for part in gathered for k, v in part.items()}

@@ -47,6 +47,8 @@ class Args:
     """use the first N tasks (0 = all)"""
     samples: int = 1
     """dialogues per task (K)"""
+    first_sample: int = 0
+    """number the samples first_sample..first_sample+K-1 (to add dialogues from another agent to a file)"""
     temperature: float = 0.7
     """agent sampling temperature (0 = greedy)"""
     top_p: float = 0.9
@@ -124,7 +126,7 @@ def main(args):
     shard, num_shards = common.parse_shard(args.shard)
     common.seed_everything(args.seed + shard)
     tasks = common.load_tasks(args.tasks, args.task_type)[: args.num_tasks or None]
-    jobs = [(t, k) for t in tasks for k in range(args.samples)][shard::num_shards]
+    jobs = [(t, k) for t in tasks for k in range(args.first_sample, args.first_sample + args.samples)][shard::num_shards]
     out_path = common.sharded_path(args.output, shard, num_shards)
     writer = common.ResumableWriter(out_path, key=lambda r: (r["task_id"], r["sample"]))
     todo = deque((t, k) for t, k in jobs if (t["task_id"], k) not in writer.done)

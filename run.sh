@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# SWEET-RL on ColBench, the whole loop. The default is the embedded CPU setting (SmolLM2-135M agent,
+# scripted human, procedural tasks); environment variables scale it up (see README):
+#
+#   bash run.sh                      # default embedded run
+#   SMALL=1 bash run.sh              # a few minutes
+#   BASELINES=1 bash run.sh          # + multi-turn DPO and rejection fine-tuning
+#   MODEL=meta-llama/Llama-3.1-8B-Instruct WARMUP=0 SIMULATOR_URL=http://host:8000 NPROC=8 \
+#     N_TRAIN=10000 N_TEST=1000 SAMPLES=3 CANDIDATES=16 LR_CRITIC=2e-7 LR_DPO=2e-7 bash run.sh
+#
+# Every stage skips or resumes work already on disk under $RUN, so a rerun continues.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+if [ "${SMALL:-0}" = 1 ]; then
+  : "${N_TRAIN:=24}" "${N_TEST:=20}" "${N_WARMUP:=120}" "${SAMPLES:=2}" "${CANDIDATES:=4}" "${DATA_FRACTION:=0.25}"
+fi
+RUN=${RUN:-runs/$([ "${SMALL:-0}" = 1 ] && echo small || echo default)}
+MODEL=${MODEL:-embedded}              # starting policy (HF path or id)
+WARMUP=${WARMUP:-$([ "$MODEL" = embedded ] && echo 1 || echo 0)}  # oracle-dialogue SFT before RL (README)
+N_WARMUP=${N_WARMUP:-240}             # warm-up tasks (oracle dialogues)
+N_TRAIN=${N_TRAIN:-60}                # RL train tasks
+N_TEST=${N_TEST:-100}                 # test tasks
+SAMPLES=${SAMPLES:-4}                 # rollouts per train task
+ORACLE_SAMPLES=${ORACLE_SAMPLES:-0}   # extra oracle dialogues per train task (off-policy data)
+CANDIDATES=${CANDIDATES:-8}           # label_turns: candidates per state
+PAIRS_PER_STATE=${PAIRS_PER_STATE:-4}
+DATA_FRACTION=${DATA_FRACTION:-0.5}   # label_turns: share of train trajectories labelled
+TEMPERATURE=${TEMPERATURE:-0.7}       # rollout sampling
+MAX_TURNS=${MAX_TURNS:-10}
+MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-128}
+LR_WARMUP=${LR_WARMUP:-1e-4}
+LR_CRITIC=${LR_CRITIC:-1e-5}
+LR_DPO=${LR_DPO:-1e-6}
+CRITIC_EPOCHS=${CRITIC_EPOCHS:-2}
+BATCH_SIZE=${BATCH_SIZE:-32}          # rollout dialogues per batch
+NPROC=${NPROC:-1}                     # processes per training stage (torchrun + FSDP2 when > 1)
+SEED=${SEED:-0}
+SIMULATOR_URL=${SIMULATOR_URL:-}      # empty: start the embedded scripted human
+BASELINES=${BASELINES:-0}
+TASK_TYPE=${TASK_TYPE:-code}
+
+[ "${SETUP:-1}" = 1 ] && bash setup.sh
+PY=${PY:-.venv/bin/python}
+mkdir -p "$RUN"
+log() { printf '\n== %s\n' "$*"; }
+train() { if [ "$NPROC" -gt 1 ]; then "$(dirname "$PY")/torchrun" --standalone --nproc_per_node="$NPROC" "$@"; else "$PY" "$@"; fi; }
+have() { [ -f "$1/config.json" ]; }
+
+if [ -z "$SIMULATOR_URL" ]; then
+  "$PY" simulator.py --port 0 > "$RUN/simulator.log" 2>&1 &
+  SIM_PID=$!
+  trap 'kill $SIM_PID 2>/dev/null || true' EXIT
+  for _ in $(seq 100); do grep -q "ready at" "$RUN/simulator.log" 2>/dev/null && break; sleep 0.1; done
+  SIMULATOR_URL=$(sed -n 's/.*ready at \(http[^ ]*\)\/v1.*/\1/p' "$RUN/simulator.log")
+  [ -n "$SIMULATOR_URL" ] || { cat "$RUN/simulator.log"; exit 1; }
+fi
+log "simulated human at $SIMULATOR_URL"
+
+rollout() {  # rollout POLICY TASKS OUT [extra args]
+  local policy=$1 tasks=$2 out=$3; shift 3
+  "$PY" rollout.py --tasks "$tasks" --output "$out" --agent_model "$policy" --simulator_url "$SIMULATOR_URL" \
+    --temperature "$TEMPERATURE" --max_turns "$MAX_TURNS" --max_new_tokens "$MAX_NEW_TOKENS" --batch_size "$BATCH_SIZE" \
+    --seed "$SEED" --task_type "$TASK_TYPE" "$@"
+}
+evaluate() {  # evaluate IN NAME [extra]
+  local in=$1 name=$2; shift 2
+  "$PY" evaluate.py --input "$in" --output "$RUN/${name}_graded.jsonl" --summary "$RUN/${name}_summary.json" --task_type "$TASK_TYPE" "$@"
+}
+
+log "tasks"
+[ -f "$RUN/test_tasks.jsonl" ] || "$PY" generate_tasks.py --num_tasks "$N_TEST" --seed $((SEED + 1)) --output "$RUN/test_tasks.jsonl"
+[ -f "$RUN/train_tasks.jsonl" ] || "$PY" generate_tasks.py --num_tasks "$N_TRAIN" --seed $((SEED + 2)) \
+  --exclude "$RUN/test_tasks.jsonl" --output "$RUN/train_tasks.jsonl"
+
+POLICY=$MODEL
+if [ "$WARMUP" = 1 ]; then
+  log "protocol warm-up: SFT on oracle dialogues (the starting policy of every method below)"
+  [ -f "$RUN/warmup_tasks.jsonl" ] || "$PY" generate_tasks.py --num_tasks "$N_WARMUP" --seed $((SEED + 3)) \
+    --exclude "$RUN/test_tasks.jsonl" --output "$RUN/warmup_tasks.jsonl"
+  rollout "$MODEL" "$RUN/warmup_tasks.jsonl" "$RUN/warmup_oracle.jsonl" --agent_backend oracle
+  evaluate "$RUN/warmup_oracle.jsonl" warmup_oracle
+  have "$RUN/policy_warm" || train train_dpo.py --mode sft --trajectories "$RUN/warmup_oracle_graded.jsonl" --model "$MODEL" \
+    --output_dir "$RUN/policy_warm" --lr "$LR_WARMUP" --batch_size 8
+  POLICY=$RUN/policy_warm
+fi
+
+log "rollouts on train tasks ($SAMPLES per task) with $POLICY"
+rollout "$POLICY" "$RUN/train_tasks.jsonl" "$RUN/train_rollouts.jsonl" --samples "$SAMPLES"
+if [ "$ORACLE_SAMPLES" -gt 0 ]; then
+  rollout "$POLICY" "$RUN/train_tasks.jsonl" "$RUN/train_rollouts.jsonl" --agent_backend oracle --samples "$ORACLE_SAMPLES" \
+    --first_sample "$SAMPLES"
+fi
+evaluate "$RUN/train_rollouts.jsonl" train --k "$SAMPLES"
+
+log "SWEET-RL: critic -> turn labels -> turn-level DPO"
+have "$RUN/critic" || train train_critic.py --trajectories "$RUN/train_graded.jsonl" --model "$POLICY" --output_dir "$RUN/critic" \
+  --lr "$LR_CRITIC" --epochs "$CRITIC_EPOCHS" --task_type "$TASK_TYPE" --seed "$SEED"
+"$PY" label_turns.py --trajectories "$RUN/train_graded.jsonl" --critic "$RUN/critic" --output "$RUN/pairs.jsonl" \
+  --num_candidates "$CANDIDATES" --pairs_per_state "$PAIRS_PER_STATE" --data_fraction "$DATA_FRACTION" \
+  --temperature 1.0 --max_new_tokens "$MAX_NEW_TOKENS" --seed "$SEED"
+have "$RUN/policy_sweet" || train train_dpo.py --mode turn --pairs "$RUN/pairs.jsonl" --model "$POLICY" \
+  --output_dir "$RUN/policy_sweet" --lr "$LR_DPO" --seed "$SEED"
+
+METHODS="zero_shot:$POLICY sweet_rl:$RUN/policy_sweet"
+if [ "$BASELINES" = 1 ]; then
+  log "baselines: multi-turn DPO and rejection fine-tuning"
+  have "$RUN/policy_mtdpo" || train train_dpo.py --mode trajectory --trajectories "$RUN/train_graded.jsonl" --model "$POLICY" \
+    --output_dir "$RUN/policy_mtdpo" --lr "$LR_DPO" --task_type "$TASK_TYPE" --seed "$SEED"
+  have "$RUN/policy_rft" || train train_dpo.py --mode sft --trajectories "$RUN/train_graded.jsonl" --model "$POLICY" \
+    --output_dir "$RUN/policy_rft" --lr "$LR_DPO" --seed "$SEED"
+  METHODS="$METHODS multi_turn_dpo:$RUN/policy_mtdpo rejection_ft:$RUN/policy_rft"
+fi
+
+log "test rollouts (same tasks and seeds for every method)"
+for m in $METHODS; do
+  name=${m%%:*} policy=${m#*:}
+  rollout "$policy" "$RUN/test_tasks.jsonl" "$RUN/test_${name}.jsonl"
+  evaluate "$RUN/test_${name}.jsonl" "test_${name}"
+done
+
+log "results ($RUN)"
+"$PY" - "$RUN" $METHODS <<'EOF' | tee "$RUN/results.txt"
+import json, sys
+run, methods = sys.argv[1], [m.split(":")[0] for m in sys.argv[2:]]
+print(f"{'method':<16}{'success':>10}{'tests passed':>14}{'mean turns':>12}{'answered':>10}")
+for m in methods:
+    s = json.load(open(f"{run}/test_{m}_summary.json"))
+    print(f"{m:<16}{100 * s['success_rate']:>9.1f}%{100 * s['tests_passed']:>13.1f}%{s['mean_turns']:>12.2f}"
+          f"{100 * s['answered_rate']:>9.1f}%")
+print(f"({s['num_tasks']} test tasks)")
+EOF

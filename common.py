@@ -133,7 +133,9 @@ def task_id(task):
     """The task's own id if it has one, else a stable id derived from its content."""
     if task.get("task_id"):
         return str(task["task_id"])
-    blob = json.dumps([task.get("problem_description"), task.get("ground_truth")], ensure_ascii=False)
+    # all the task's content: two tasks that differ only in their tests must not share an id
+    blob = json.dumps([task.get(k) for k in ("problem_description", "hidden_information", "ground_truth", "test_cases")],
+                      ensure_ascii=False, sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
 

@@ -273,14 +273,17 @@ def _sandbox_prefix():
     """The strongest isolation this machine offers, decided once."""
     if shutil.which("bwrap"):
         uid = ["--uid", "65534", "--gid", "65534"] if os.geteuid() == 0 else []
-        return ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
-                "--unshare-all", "--die-with-parent", "--new-session", *uid, "--chdir", "/tmp"]
+        # a private /tmp, unless the interpreter itself lives there
+        tmp = [] if SANDBOX_PYTHON.startswith("/tmp/") else ["--tmpfs", "/tmp"]
+        return ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", *tmp,
+                "--unshare-all", "--die-with-parent", "--new-session", *uid, "--chdir", "/"]
     if shutil.which("unshare") and os.geteuid() == 0:
         return ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--net"]
     return []
 
 
 SANDBOX_PREFIX = None
+SANDBOX_PYTHON = os.path.realpath(sys.executable)  # the real interpreter: the child needs no venv (-I -S)
 
 
 def _limit_resources(cpu_s, mem_bytes):
@@ -303,7 +306,7 @@ def run_calls(code, calls, timeout=10.0, released=False, mem_mb=1024, max_output
         SANDBOX_PREFIX = _sandbox_prefix()
     r_fd, w_fd = os.pipe()
     job = json.dumps({"code": code, "calls": list(calls), "released": released, "fd": w_fd})
-    cmd = [*SANDBOX_PREFIX, sys.executable, "-I", "-S", "-c", _CHILD]
+    cmd = [*SANDBOX_PREFIX, SANDBOX_PYTHON, "-I", "-S", "-c", _CHILD]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             pass_fds=(w_fd,), preexec_fn=_limit_resources(int(timeout) + 1, mem_mb << 20),
                             start_new_session=True)

@@ -44,7 +44,7 @@ TASK_TYPE=${TASK_TYPE:-code}
 PY=${PY:-.venv/bin/python}
 mkdir -p "$RUN"
 log() { printf '\n== %s\n' "$*"; }
-train() { if [ "$NPROC" -gt 1 ]; then "$(dirname "$PY")/torchrun" --standalone --nproc_per_node="$NPROC" "$@"; else "$PY" "$@"; fi; }
+train() { if [ "$NPROC" -gt 1 ]; then "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" "$@"; else "$PY" "$@"; fi; }
 have() { [ -f "$1/config.json" ]; }
 
 if [ -z "$SIMULATOR_URL" ]; then

@@ -1,6 +1,5 @@
 """FSDP2 under torchrun with two CPU processes (gloo) matches one process on the same global batch."""
 import os
-import shutil
 import subprocess
 import sys
 
@@ -15,7 +14,7 @@ from test_training import write_graded
 
 def launch(nproc, script, *args):
     cmd = [sys.executable, str(ROOT / script), *map(str, args)] if nproc == 1 else \
-        [shutil.which("torchrun") or "torchrun", "--standalone", f"--nproc_per_node={nproc}", str(ROOT / script), *map(str, args)]
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(ROOT / script), *map(str, args)]
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
 

@@ -283,10 +283,11 @@ def _sandbox_prefix():
 
 
 SANDBOX_PREFIX = None
+SANDBOX_MAX_PROCS = 64
 SANDBOX_PYTHON = os.path.realpath(sys.executable)  # the real interpreter: the child needs no venv (-I -S)
 
 
-def _limit_resources(cpu_s, mem_bytes):
+def _limit_resources(cpu_s, mem_bytes, cgroup=None):
     import resource
     def apply():
         resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
@@ -294,7 +295,42 @@ def _limit_resources(cpu_s, mem_bytes):
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+        if cgroup is not None:  # join the per-run pids cgroup before anything can fork
+            with open(cgroup / "cgroup.procs", "w") as f:
+                f.write(str(os.getpid()))
     return apply
+
+
+_cgroup_count = iter(range(1 << 62))
+
+
+def _new_pids_cgroup():
+    """A fresh pids cgroup capped at SANDBOX_MAX_PROCS, so a fork bomb stops there instead of
+    exhausting the machine's pids (RLIMIT_NPROC does not bind root). None where we can't make one."""
+    root = Path("/sys/fs/cgroup/pids")
+    if not (root / "cgroup.procs").exists() or not os.access(root, os.W_OK):
+        return None
+    try:
+        base = root / f"sweetrl-{os.getpid()}"
+        if not base.exists():
+            base.mkdir()
+            import atexit
+            atexit.register(lambda: [_remove_cgroup(p) for p in [*base.iterdir(), base] if p.is_dir()])
+        d = base / str(next(_cgroup_count))
+        d.mkdir()
+        (d / "pids.max").write_text(str(SANDBOX_MAX_PROCS))
+        return d
+    except OSError:
+        return None
+
+
+def _remove_cgroup(d):
+    for _ in range(50):  # the killed processes may take a moment to leave
+        try:
+            d.rmdir()
+            return
+        except OSError:
+            time.sleep(0.02)
 
 
 def run_calls(code, calls, timeout=10.0, released=False, mem_mb=1024, max_output=1 << 20):
@@ -307,9 +343,20 @@ def run_calls(code, calls, timeout=10.0, released=False, mem_mb=1024, max_output
     r_fd, w_fd = os.pipe()
     job = json.dumps({"code": code, "calls": list(calls), "released": released, "fd": w_fd})
     cmd = [*SANDBOX_PREFIX, SANDBOX_PYTHON, "-I", "-S", "-c", _CHILD]
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            pass_fds=(w_fd,), preexec_fn=_limit_resources(int(timeout) + 1, mem_mb << 20),
-                            start_new_session=True)
+    cgroup = _new_pids_cgroup()
+    for attempt in range(6):  # EAGAIN when the machine is briefly out of processes: back off and retry
+        try:
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    pass_fds=(w_fd,), preexec_fn=_limit_resources(int(timeout) + 1, mem_mb << 20, cgroup),
+                                    start_new_session=True)
+            break
+        except BlockingIOError:
+            if attempt == 5:
+                os.close(r_fd), os.close(w_fd)
+                if cgroup:
+                    _remove_cgroup(cgroup)
+                return {name: ("error", "could not start the sandbox") for name, _ in calls}
+            time.sleep(0.2 * 2 ** attempt)
     os.close(w_fd)
     results, buf, total, deadline, forked = {}, b"", 0, time.monotonic() + timeout, False
     try:
@@ -353,6 +400,13 @@ def run_calls(code, calls, timeout=10.0, released=False, mem_mb=1024, max_output
         except (ProcessLookupError, PermissionError):
             pass
         proc.wait()
+        if cgroup:
+            for pid in (cgroup / "cgroup.procs").read_text().split():  # anything that left the group
+                try:
+                    os.kill(int(pid), 9)
+                except (ProcessLookupError, ValueError):
+                    pass
+            _remove_cgroup(cgroup)
     if forked:
         results = {name: ("error", "forked") for name, _ in calls}
     for name, _ in calls:
@@ -857,7 +911,7 @@ def train_loop(model, examples, loss_fn, args, rank, world, log_path=None):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
     rng = random.Random(args.seed)  # same order on every rank
     step, history = 0, []
-    log = open(log_path, "a") if (log_path and rank == 0) else None
+    log = open(log_path, "w") if (log_path and rank == 0) else None  # training restarts from scratch
     for epoch in range(args.epochs):
         order = list(range(len(examples)))
         rng.shuffle(order)

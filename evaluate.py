@@ -39,7 +39,7 @@ class Args:
     output: str = ""
     """graded trajectories JSONL (default: none)"""
     task_type: str = "code"
-    """code (html: frontend issue)"""
+    """code (unit tests) | html (image similarity of the rendered answer and target)"""
     k: int = 1
     """best-of-k: a task counts as solved when any of its first k samples succeeds"""
     summary: str = ""
@@ -50,9 +50,47 @@ class Args:
     """seconds for all tests of one program"""
     workers: int = 0
     """parallel gradings (0 = 2 x cores)"""
+    clip_model: str = ""
+    """html: a CLIP model path or id (e.g. openai/clip-vit-base-patch32); empty = the non-CLIP fallback metric"""
+    reference: str = ""
+    """html: graded trajectories of a reference run; reports this run's win rate against it"""
+    render_workers: int = 2
+    """html: headless browsers rendering in parallel"""
+
+
+def grade_html(rows, args):
+    """reward = similarity of the rendered final answer and the rendered target (its metric named)."""
+    sim = common.ImageSimilarity(args.clip_model)
+    tasks = {r["task_id"]: r["task"]["ground_truth"] for r in rows}
+    with common.RenderPool(args.render_workers) as pool:
+        targets = dict(zip(tasks, tqdm(map(pool.render, tasks.values()), total=len(tasks), desc="target pages")))
+        answers = list(tqdm(map(pool.render, [r["answer"] or "" for r in rows]), total=len(rows), desc="answer pages"))
+        failures = pool.failures
+    scores = sim([img for img, _ in answers], [targets[r["task_id"]][0] for r in rows])
+    for r, s, (_, ok) in zip(rows, scores, answers):
+        r.update(reward=float(s), metric=sim.metric, rendered=ok)
+    return rows, {"metric": sim.metric, "render_failures": failures}
+
+
+def win_rate(rows, reference_rows):
+    """Per task (mean over samples): this run's similarity beats the reference's; ties count half."""
+    mean = lambda rs: {t: sum(x) / len(x) for t, x in _by_task(rs).items()}
+    ours, ref = mean(rows), mean(reference_rows)
+    common_tasks = sorted(set(ours) & set(ref))
+    if not common_tasks:
+        raise common.DataError("--reference shares no task with --input")
+    return sum(1.0 if ours[t] > ref[t] else 0.5 if ours[t] == ref[t] else 0.0 for t in common_tasks) / len(common_tasks)
+
+
+def _by_task(rows):
+    out = defaultdict(list)
+    for r in rows:
+        out[r["task_id"]].append(r["reward"])
+    return out
 
 
 def load_trajectories(path):
+    """Trajectories in the released schema; task_id and sample derived when absent."""
     rows, counts = [], defaultdict(int)
     for line, r in common.read_jsonl(path):
         for field in ("task", "dialogue_history", "answer"):
@@ -90,7 +128,7 @@ def summarize(rows, k=1):
         by_task[r["task_id"]].append(r)
     mean = lambda xs: sum(xs) / max(len(xs), 1)
     s = {"num_trajectories": len(rows), "num_tasks": len(by_task),
-         "success_rate": mean([r["success"] for r in rows]),
+         "success_rate": mean([r.get("success", False) for r in rows]),
          "tests_passed": mean([r["reward"] for r in rows]),
          "mean_turns": mean([r.get("num_turns", sum(m["role"] == "assistant" for m in r["dialogue_history"])) for r in rows]),
          "answered_rate": mean([r.get("finish", "answered" if common.ANSWER_MARKER in json.dumps(r["dialogue_history"]) else "")
@@ -98,33 +136,51 @@ def summarize(rows, k=1):
          "errors": sum(r.get("finish") == "error" for r in rows),
          "timeouts": sum(r.get("timeouts", 0) > 0 for r in rows), "k": k}
     firstk = [sorted(v, key=lambda r: r["sample"])[:k] for v in by_task.values()]
-    s["best_of_k_success"] = mean([any(r["success"] for r in v) for v in firstk])
+    s["best_of_k_success"] = mean([any(r.get("success", False) for r in v) for v in firstk])
     s["best_of_k_tests"] = mean([max(r["reward"] for r in v) for v in firstk])
     return s
 
 
 def print_table(s, title=""):
-    lines = [("trajectories", s["num_trajectories"]), ("tasks", s["num_tasks"]),
-             ("success rate", f"{100 * s['success_rate']:.1f}%"), ("% tests passed", f"{100 * s['tests_passed']:.1f}%")]
-    if s["k"] > 1:
+    lines = [("trajectories", s["num_trajectories"]), ("tasks", s["num_tasks"])]
+    if "similarity" in s:
+        lines += [(f"similarity ({s['metric']})", f"{100 * s['similarity']:.1f}%")]
+        if s["k"] > 1:
+            lines += [(f"best-of-{s['k']} similarity", f"{100 * s['best_of_k_tests']:.1f}%")]
+        if s.get("win_rate") is not None:
+            lines += [("win rate vs reference", f"{100 * s['win_rate']:.1f}%")]
+        lines += [("pages that failed to render", s["render_failures"])]
+    else:
+        lines += [("success rate", f"{100 * s['success_rate']:.1f}%"), ("% tests passed", f"{100 * s['tests_passed']:.1f}%")]
+    if s["k"] > 1 and "similarity" not in s:
         lines += [(f"best-of-{s['k']} success", f"{100 * s['best_of_k_success']:.1f}%"),
                   (f"best-of-{s['k']} tests", f"{100 * s['best_of_k_tests']:.1f}%")]
     lines += [("mean agent turns", f"{s['mean_turns']:.2f}"), ("answered with marker", f"{100 * s['answered_rate']:.1f}%"),
               ("trajectories with a timed-out/crashed test", s["timeouts"]), ("rollout errors", s["errors"])]
-    print(f"\n{title or 'ColBench backend'}")
+    print(f"\n{title or 'ColBench'}")
     for name, v in lines:
         print(f"  {name:<44} {v}")
 
 
 def main(args):
-    if args.task_type != "code":
-        sys.exit(f"--task_type {args.task_type}: only 'code' is implemented so far")
-    rows = grade_all(load_trajectories(args.input), args)
+    if args.task_type not in ("code", "html"):
+        sys.exit(f"--task_type {args.task_type}: choose code or html")
+    rows = load_trajectories(args.input)
+    if args.task_type == "html":
+        rows, extra = grade_html(rows, args)
+    else:
+        rows, extra = grade_all(rows, args), {"released_semantics": args.released_semantics}
     if args.output:
         common.write_jsonl(args.output, rows)
-    s = summarize(rows, args.k)
-    s["released_semantics"] = args.released_semantics
-    print_table(s, f"ColBench backend: {args.input}")
+    s = {**summarize(rows, args.k), **extra}
+    if args.task_type == "html":
+        s["similarity"], s["win_rate"] = s["tests_passed"], None
+        if args.reference:
+            ref = [r for _, r in common.read_jsonl(args.reference)]
+            if ref and ref[0].get("metric") != s["metric"]:
+                sys.exit(f"{args.reference} was scored with {ref[0].get('metric')}, this run with {s['metric']}: not comparable")
+            s["win_rate"] = win_rate(rows, [dict(r, task_id=r.get("task_id") or common.task_id(r["task"])) for r in ref])
+    print_table(s, f"ColBench {'frontend' if args.task_type == 'html' else 'backend'}: {args.input}")
     if args.summary:
         os.makedirs(os.path.dirname(os.path.abspath(args.summary)), exist_ok=True)
         with open(args.summary, "w") as f:

@@ -1,7 +1,8 @@
 """Make ColBench task files (the public JSONL format, one task per line).
 
 Reads: nothing (procedural), a ColBench JSONL / `datasets` directory (file), or seed texts (llm).
-Writes: JSONL with problem_description, hidden_information, ground_truth, test_cases (+ task_id).
+Writes: JSONL with problem_description, hidden_information, ground_truth, test_cases (+ task_id);
+        for --task_type html: problem_description and ground_truth (the target HTML).
 
     python generate_tasks.py --task_type code --source procedural --num_tasks 200 --seed 1 --output data/test.jsonl
     python generate_tasks.py --task_type code --source procedural --num_tasks 1000 --seed 0 \
@@ -9,6 +10,8 @@ Writes: JSONL with problem_description, hidden_information, ground_truth, test_c
     python generate_tasks.py --task_type code --source file --input colbench_backend.jsonl --output data/tasks.jsonl
     python generate_tasks.py --task_type code --source llm --endpoint http://localhost:8000 --model M \
         --seed_texts texts.txt --num_tasks 100 --output data/llm.jsonl
+    python generate_tasks.py --task_type html --source procedural --num_tasks 50 --seed 1 --output data/html_test.jsonl
+    python generate_tasks.py --task_type html --source file --input websight_dir_or.jsonl --output data/html.jsonl
 
 Deviations from the paper:
 1. `procedural` is ours: an offline generator of small personalised functions whose hidden facts
@@ -37,7 +40,7 @@ class Args:
     output: str
     """where to write the task JSONL"""
     task_type: str = "code"
-    """code (backend programming); html is added by the frontend issue"""
+    """code (backend programming) | html (frontend design)"""
     source: str = "procedural"
     """procedural | file | llm"""
     num_tasks: int = 100
@@ -193,6 +196,76 @@ def procedural_task(rng, family=None):
 
 
 # ----------------------------------------------------------------------------------------------
+# Procedural frontend pages (Tailwind 2.2.19): header, nav, hero, feature columns, footer, with
+# colours, alignment, sizes and layout drawn at random. The description names the page's gist only.
+# ----------------------------------------------------------------------------------------------
+BUSINESSES = ["bakery", "law firm", "yoga studio", "bike shop", "dental clinic", "coffee roaster", "museum",
+              "travel agency", "bookstore", "software startup", "flower shop", "gym", "animal shelter", "hotel"]
+COLOURS = ["red", "yellow", "green", "blue", "indigo", "purple", "pink", "gray"]  # Tailwind 2 default palette
+TAILWIND_LINK = '<link href="https://cdn.jsdelivr.net/npm/tailwindcss@2.2.19/dist/tailwind.min.css" rel="stylesheet">'
+
+
+def procedural_page(rng):
+    """One frontend task in the public format: problem_description + ground_truth HTML."""
+    biz = rng.choice(BUSINESSES)
+    title = biz.title()
+    hue, accent = rng.sample(COLOURS, 2)
+    shade = rng.choice([500, 600, 700, 800])
+    align = rng.choice(["left", "center", "right"])
+    page_bg = rng.choice(["bg-white", "bg-gray-100", f"bg-{hue}-50", "bg-gray-900"])
+    text = "text-white" if page_bg == "bg-gray-900" else "text-gray-800"
+    size = rng.choice(["text-2xl", "text-3xl", "text-4xl"])
+    parts = [f'<header class="bg-{hue}-{shade} text-white p-6 text-{align}">\n  <h1 class="{size} font-bold">{title}</h1>\n</header>']
+    desc = [f"A {rng.choice(['clean', 'bold', 'friendly', 'modern', 'simple'])} website for a {biz}",
+            f"with a {hue} header"]
+    if rng.random() < 0.6:
+        links = rng.sample(["Home", "About", "Services", "Prices", "Team", "Blog", "Contact"], rng.randint(3, 5))
+        lis = "".join(f'<li><a href="#" class="hover:underline">{l}</a></li>' for l in links)
+        parts.append(f'<nav class="bg-{accent}-100 p-4">\n  <ul class="flex space-x-6 justify-{ {"left": "start", "center": "center", "right": "end"}[align]}">{lis}</ul>\n</nav>')
+        desc.append("a navigation bar")
+    if rng.random() < 0.7:
+        img = f'<img src="https://picsum.photos/id/{rng.randint(1, 90)}/{rng.choice([400, 600])}/{rng.choice([200, 300])}" class="mx-auto my-4">' \
+            if rng.random() < 0.5 else ""
+        parts.append(f'<section class="p-10 text-{align}">\n  <h2 class="text-2xl font-semibold">Welcome to our {biz}</h2>\n'
+                     f'  <p class="mt-2">We are glad you are here.</p>{img}\n</section>')
+        desc.append("a welcome section" + (" with a picture" if img else ""))
+    if rng.random() < 0.7:
+        n = rng.randint(2, 4)
+        cols = "".join(f'<div class="bg-{accent}-{rng.choice([200, 300])} p-4 rounded"><h3 class="font-bold">Feature {i + 1}</h3>'
+                       f'<p>Something we do well.</p></div>' for i in range(n))
+        parts.append(f'<section class="grid grid-cols-{n} gap-4 p-6">{cols}</section>')
+        desc.append(f"{n} feature boxes in a row")
+    if rng.random() < 0.8:
+        parts.append(f'<footer class="bg-{rng.choice([hue, accent, "gray"])}-{rng.choice([700, 800, 900])} text-white p-4 '
+                     f'text-center">\n  <p>&copy; {title}</p>\n</footer>')
+        desc.append("a footer")
+    html = f'<html>\n{TAILWIND_LINK}\n<body class="{page_bg} {text}">\n' + "\n".join(parts) + "\n</body>\n</html>"
+    description = desc[0] + " " + ", ".join(desc[1:-1]) + (" and " if len(desc) > 2 else " ") + desc[-1] + "."
+    return {"problem_description": description, "ground_truth": html}
+
+
+def load_html_tasks(path):
+    """Frontend tasks from a ColBench frontend JSONL or WebSight-style data (JSONL or a `datasets`
+    directory with `text` (the HTML) and optionally `llm_generated_idea` (the description))."""
+    path = Path(path)
+    if path.is_dir():
+        import datasets
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds[next(iter(ds))]
+        rows = [(i + 1, dict(r)) for i, r in enumerate(ds)]
+    else:
+        rows = common.read_jsonl(path)
+    tasks = []
+    for line, r in rows:
+        if "ground_truth" not in r and "text" in r:  # WebSight: text = HTML, llm_generated_idea = description
+            r = {"problem_description": r.get("llm_generated_idea") or "A web page.", "ground_truth": r["text"]}
+        common.validate_task(r, "html", where=f"{path}:{line}")
+        tasks.append(dict(r, task_id=common.task_id(r)))
+    return tasks
+
+
+# ----------------------------------------------------------------------------------------------
 # LLM source (the paper's recipe over an OpenAI-compatible endpoint)
 # ----------------------------------------------------------------------------------------------
 LLM_PROMPT = """Here is a piece of text written by a person:
@@ -243,9 +316,27 @@ def keep_runnable(tasks, workers):
 
 
 def main(args):
-    if args.task_type != "code":
-        sys.exit(f"--task_type {args.task_type}: only 'code' is implemented so far")
-    exclude = {t["task_id"] for t in common.load_tasks(args.exclude)} if args.exclude else set()
+    if args.task_type not in ("code", "html"):
+        sys.exit(f"--task_type {args.task_type}: choose code or html")
+    exclude = {t["task_id"] for t in common.load_tasks(args.exclude, args.task_type)} if args.exclude else set()
+    if args.task_type == "html":
+        if args.source == "procedural":
+            rng, tasks, seen = random.Random(args.seed), [], set(exclude)
+            for _ in range(args.num_tasks * 50):
+                if len(tasks) == args.num_tasks:
+                    break
+                t = procedural_page(rng)
+                t["task_id"] = common.task_id(t)
+                if t["task_id"] not in seen:
+                    seen.add(t["task_id"])
+                    tasks.append(t)
+        elif args.source == "file" and args.input:
+            tasks = [t for t in load_html_tasks(args.input) if t["task_id"] not in exclude][: args.num_tasks or None]
+        else:
+            sys.exit("--task_type html: use --source procedural, or --source file --input PATH")
+        common.write_jsonl(args.output, tasks)
+        print(f"wrote {len(tasks)} tasks to {args.output}")
+        return
     if args.source == "procedural":
         rng, tasks, seen = random.Random(args.seed), [], set(exclude)
         for _ in range(args.num_tasks * 50):

@@ -1,7 +1,8 @@
 """Roll out an agent collaborating with a simulated human on ColBench tasks.
 
 Reads:  tasks JSONL (generate_tasks.py). Talks to: the simulated human over HTTP (simulator.py or
-        `vllm serve`). Writes: trajectories JSONL in the released schema, one dialogue a line:
+        `vllm serve`; for --task_type html a vision-language model, e.g. `vllm serve Qwen2-VL-7B-Instruct`,
+        shown the agent's rendered snippet and the target page as images). Writes: trajectories JSONL in the released schema, one dialogue a line:
         task, dialogue_history (assistant entries also carry `input`, the exact prompt string after
         the chat template, and `output`, the exact generated text), answer, + task_id, sample,
         num_turns, finish (answered | max_turns | error).
@@ -42,7 +43,7 @@ class Args:
     output: str
     """trajectory JSONL to write (appended to; reruns resume)"""
     task_type: str = "code"
-    """code (html: frontend issue)"""
+    """code (backend programming) | html (frontend design)"""
     num_tasks: int = 0
     """use the first N tasks (0 = all)"""
     samples: int = 1
@@ -71,6 +72,8 @@ class Args:
     """model name on the simulator server (default: its first model)"""
     human_workers: int = 16
     """concurrent requests to the simulator"""
+    render_workers: int = 2
+    """html: headless browsers rendering pages for the human"""
     batch_size: int = 32
     """dialogues generated together (hf/vllm) or in flight (openai)"""
     seed: int = 0
@@ -90,7 +93,7 @@ def oracle_question(fact):
 
 
 class OracleAgent:
-    """Asks for each hidden fact in turn, then answers with the ground truth."""
+    """Asks for each hidden fact in turn, then answers with the ground truth (html: answers at once)."""
 
     def __init__(self, model, args):
         self.args, self.tok = args, common.load_tokenizer(model)
@@ -98,6 +101,9 @@ class OracleAgent:
     def generate(self, prompts, episodes):
         outs = []
         for ep in episodes:
+            if ep["task_type"] == "html":
+                outs.append(f"{common.ANSWER_MARKER}\n{ep['task']['ground_truth'].strip()}")
+                continue
             facts = [l for l in ep["task"]["hidden_information"].splitlines() if l.strip()]
             asked = sum(m["role"] == "assistant" for m in ep["dialogue"])
             if asked < min(len(facts), self.args.max_turns - 1):
@@ -137,6 +143,8 @@ def main(args):
     human = common.ChatClient(args.simulator_url, args.simulator_model or None, workers=args.human_workers)
     agent = AGENTS[args.agent_backend](args.agent_model, args)
     max_chars = common.HUMAN_MAX_CHARS[args.task_type]
+    pool = common.RenderPool(args.render_workers) if args.task_type == "html" else None
+    targets = {}  # html: task_id -> the target page's render, once per task
 
     active, bar = [], tqdm(total=len(todo), desc="dialogues", unit="dlg")
     while todo or active:
@@ -163,8 +171,17 @@ def main(args):
                 done.append(finish(ep, "max_turns"))
             else:
                 ask.append(ep)
-        replies = human.chat_many([common.human_messages(ep["task"], ep["dialogue"], args.task_type) for ep in ask],
-                                  temperature=0.0, max_tokens=256)
+        if pool is None:
+            requests = [common.human_messages(ep["task"], ep["dialogue"], args.task_type) for ep in ask]
+        else:  # render the target (once) and the agent's snippet, if its turn has one, for the human
+            new = {ep["task"]["task_id"]: ep["task"]["ground_truth"] for ep in ask if ep["task"]["task_id"] not in targets}
+            targets.update(zip(new, (img for img, _ in pool.render_many(list(new.values())))))
+            snippets = [common.extract_html(ep["dialogue"][-1]["content"]) for ep in ask]
+            renders = pool.render_many([s for s in snippets if s])
+            agent_imgs = [renders.pop(0)[0] if s else None for s in snippets]
+            requests = [common.human_messages(ep["task"], ep["dialogue"], "html", img, targets[ep["task"]["task_id"]])
+                        for ep, img in zip(ask, agent_imgs)]
+        replies = human.chat_many(requests, temperature=0.0, max_tokens=256)
         for ep, reply in zip(ask, replies):
             ep["dialogue"].append({"role": "user", "content": reply.strip()[:max_chars]})
         for row in done:
@@ -173,6 +190,8 @@ def main(args):
         active = ask
     bar.close()
     writer.close()
+    if pool is not None:
+        pool.close()
     print(f"wrote {out_path}")
 
 

@@ -38,7 +38,8 @@ NPROC=${NPROC:-1}                     # processes per training stage (torchrun +
 SEED=${SEED:-0}
 SIMULATOR_URL=${SIMULATOR_URL:-}      # empty: start the embedded scripted human
 BASELINES=${BASELINES:-0}
-TASK_TYPE=${TASK_TYPE:-code}
+TASK_TYPE=${TASK_TYPE:-code}         # code | html
+CLIP_MODEL=${CLIP_MODEL:-}            # html: a local CLIP model; empty = the named non-CLIP fallback
 
 [ "${SETUP:-1}" = 1 ] && bash setup.sh
 PY=${PY:-.venv/bin/python}
@@ -65,23 +66,25 @@ rollout() {  # rollout POLICY TASKS OUT [extra args]
 }
 evaluate() {  # evaluate IN NAME [extra]
   local in=$1 name=$2; shift 2
-  "$PY" evaluate.py --input "$in" --output "$RUN/${name}_graded.jsonl" --summary "$RUN/${name}_summary.json" --task_type "$TASK_TYPE" "$@"
+  "$PY" evaluate.py --input "$in" --output "$RUN/${name}_graded.jsonl" --summary "$RUN/${name}_summary.json" \
+    --task_type "$TASK_TYPE" --clip_model "$CLIP_MODEL" "$@"
 }
 
 log "tasks"
-[ -f "$RUN/test_tasks.jsonl" ] || "$PY" generate_tasks.py --num_tasks "$N_TEST" --seed $((SEED + 1)) --output "$RUN/test_tasks.jsonl"
-[ -f "$RUN/train_tasks.jsonl" ] || "$PY" generate_tasks.py --num_tasks "$N_TRAIN" --seed $((SEED + 2)) \
+gen() { "$PY" generate_tasks.py --task_type "$TASK_TYPE" "$@"; }
+[ -f "$RUN/test_tasks.jsonl" ] || gen --num_tasks "$N_TEST" --seed $((SEED + 1)) --output "$RUN/test_tasks.jsonl"
+[ -f "$RUN/train_tasks.jsonl" ] || gen --num_tasks "$N_TRAIN" --seed $((SEED + 2)) \
   --exclude "$RUN/test_tasks.jsonl" --output "$RUN/train_tasks.jsonl"
 
 POLICY=$MODEL
 if [ "$WARMUP" = 1 ]; then
   log "protocol warm-up: SFT on oracle dialogues (the starting policy of every method below)"
-  [ -f "$RUN/warmup_tasks.jsonl" ] || "$PY" generate_tasks.py --num_tasks "$N_WARMUP" --seed $((SEED + 3)) \
+  [ -f "$RUN/warmup_tasks.jsonl" ] || gen --num_tasks "$N_WARMUP" --seed $((SEED + 3)) \
     --exclude "$RUN/test_tasks.jsonl" --output "$RUN/warmup_tasks.jsonl"
   rollout "$MODEL" "$RUN/warmup_tasks.jsonl" "$RUN/warmup_oracle.jsonl" --agent_backend oracle
   evaluate "$RUN/warmup_oracle.jsonl" warmup_oracle
   have "$RUN/policy_warm" || train train_dpo.py --mode sft --trajectories "$RUN/warmup_oracle_graded.jsonl" --model "$MODEL" \
-    --output_dir "$RUN/policy_warm" --lr "$LR_WARMUP" --batch_size 8
+    --output_dir "$RUN/policy_warm" --lr "$LR_WARMUP" --batch_size 8 --task_type "$TASK_TYPE"
   POLICY=$RUN/policy_warm
 fi
 
@@ -108,7 +111,7 @@ if [ "$BASELINES" = 1 ]; then
   have "$RUN/policy_mtdpo" || train train_dpo.py --mode trajectory --trajectories "$RUN/train_graded.jsonl" --model "$POLICY" \
     --output_dir "$RUN/policy_mtdpo" --lr "$LR_DPO" --task_type "$TASK_TYPE" --seed "$SEED"
   have "$RUN/policy_rft" || train train_dpo.py --mode sft --trajectories "$RUN/train_graded.jsonl" --model "$POLICY" \
-    --output_dir "$RUN/policy_rft" --lr "$LR_DPO" --seed "$SEED"
+    --output_dir "$RUN/policy_rft" --lr "$LR_DPO" --seed "$SEED" --task_type "$TASK_TYPE"
   METHODS="$METHODS multi_turn_dpo:$RUN/policy_mtdpo rejection_ft:$RUN/policy_rft"
 fi
 
@@ -116,17 +119,25 @@ log "test rollouts (same tasks and seeds for every method)"
 for m in $METHODS; do
   name=${m%%:*} policy=${m#*:}
   rollout "$policy" "$RUN/test_tasks.jsonl" "$RUN/test_${name}.jsonl"
-  evaluate "$RUN/test_${name}.jsonl" "test_${name}"
+  ref=(); [ "$TASK_TYPE" = html ] && [ "$name" != zero_shot ] && ref=(--reference "$RUN/test_zero_shot_graded.jsonl")
+  evaluate "$RUN/test_${name}.jsonl" "test_${name}" "${ref[@]}"
 done
 
 log "results ($RUN)"
 "$PY" - "$RUN" $METHODS <<'EOF' | tee "$RUN/results.txt"
 import json, sys
 run, methods = sys.argv[1], [m.split(":")[0] for m in sys.argv[2:]]
-print(f"{'method':<16}{'success':>10}{'tests passed':>14}{'mean turns':>12}{'answered':>10}")
-for m in methods:
-    s = json.load(open(f"{run}/test_{m}_summary.json"))
-    print(f"{m:<16}{100 * s['success_rate']:>9.1f}%{100 * s['tests_passed']:>13.1f}%{s['mean_turns']:>12.2f}"
-          f"{100 * s['answered_rate']:>9.1f}%")
-print(f"({s['num_tasks']} test tasks)")
+rows = [(m, json.load(open(f"{run}/test_{m}_summary.json"))) for m in methods]
+if "similarity" in rows[0][1]:  # frontend
+    print(f"{'method':<16}{'similarity':>12}{'win rate vs zero-shot':>24}{'mean turns':>12}{'answered':>10}")
+    for m, s in rows:
+        wr = "-" if s.get("win_rate") is None else f"{100 * s['win_rate']:.1f}%"
+        print(f"{m:<16}{100 * s['similarity']:>11.1f}%{wr:>24}{s['mean_turns']:>12.2f}{100 * s['answered_rate']:>9.1f}%")
+    print(f"({s['num_tasks']} test tasks; similarity metric: {s['metric']})")
+else:
+    print(f"{'method':<16}{'success':>10}{'tests passed':>14}{'mean turns':>12}{'answered':>10}")
+    for m, s in rows:
+        print(f"{m:<16}{100 * s['success_rate']:>9.1f}%{100 * s['tests_passed']:>13.1f}%{s['mean_turns']:>12.2f}"
+              f"{100 * s['answered_rate']:>9.1f}%")
+    print(f"({s['num_tasks']} test tasks)")
 EOF

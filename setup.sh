@@ -3,12 +3,17 @@
 # in .venv with requirements.txt. Safe to run again; it only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")"
-if ! command -v bwrap >/dev/null; then
+# Debian packages: bubblewrap (grader sandbox), chromium + chromium-driver (frontend rendering)
+missing=()
+command -v bwrap >/dev/null || missing+=(bubblewrap)
+[ -x /usr/bin/chromium ] || missing+=(chromium)
+[ -x /usr/bin/chromedriver ] || missing+=(chromium-driver)
+if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    (apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q bubblewrap >/dev/null; }) \
-      || echo "setup: could not install bubblewrap; the grader falls back to unshare + resource limits" >&2
+    (apt-get install -y -q "${missing[@]}" >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q "${missing[@]}" >/dev/null; }) \
+      || echo "setup: could not install ${missing[*]} (sandbox falls back to unshare; html rendering needs chromium)" >&2
   else
-    echo "setup: bubblewrap (bwrap) is missing; install it for the strongest grader sandbox" >&2
+    echo "setup: please install ${missing[*]} (Debian packages)" >&2
   fi
 fi
 PYTHON=${PYTHON:-python3}
@@ -18,3 +23,5 @@ if ! .venv/bin/python -c "import torch, transformers, gguf, datasets, requests, 
   .venv/bin/pip install -q --disable-pip-version-check -r requirements.txt
   touch .venv/.installed
 fi
+# Tailwind 2.2.19 for offline rendering, from the npm package, cached under ~/.cache/sweetrl
+.venv/bin/python -c "import common; common.tailwind_css()" || echo "setup: could not fetch Tailwind (needs npm)" >&2

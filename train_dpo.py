@@ -2,7 +2,8 @@
 
 Reads:  --mode turn:       PAIRS JSONL from label_turns.py (prompt, chosen, rejected, ...)
         --mode trajectory: graded trajectories (evaluate.py) -> trajectory pairs (multi-turn DPO)
-        --mode sft:        graded trajectories -> agent turns of successful ones (rejection fine-tuning)
+        --mode sft:        graded trajectories -> agent turns of successful ones (rejection fine-tuning;
+                           html: each task's best sample)
 Writes: an HF checkpoint in --output_dir (+ run_settings.json, log.jsonl).
 
     python train_dpo.py --pairs runs/pairs.jsonl --model embedded --output_dir runs/sweet
@@ -87,6 +88,12 @@ def build_examples(args):
     if args.mode == "trajectory":
         return [{"chosen": common.agent_turns(c), "rejected": common.agent_turns(r)}
                 for c, r in common.trajectory_pairs(graded, args.task_type)]
+    if args.task_type == "html":  # no notion of success: fine-tune on each task's best sample
+        best = {}
+        for r in graded:
+            if r["task_id"] not in best or r["reward"] > best[r["task_id"]]["reward"]:
+                best[r["task_id"]] = r
+        return [{"chosen": common.agent_turns(r)} for r in best.values()]
     return [{"chosen": common.agent_turns(r)} for r in graded if r.get("success", r["reward"] >= 1.0)]
 
 

@@ -24,3 +24,24 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
     # a rerun finds everything done and redoes nothing
     p2 = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p2.returncode == 0 and "0 to run" in p2.stderr
+
+
+def test_run_sh_html_loop(tiny_model, tmp_path):
+    """The frontend loop: oracle pages (similarity 1) against the tiny model's give critic pairs (gap >= 0.1)."""
+    env = {**os.environ, "SETUP": "0", "PY": sys.executable, "RUN": str(tmp_path / "run"), "MODEL": tiny_model,
+           "TASK_TYPE": "html", "WARMUP": "0", "N_TRAIN": "2", "N_TEST": "2", "SAMPLES": "1", "ORACLE_SAMPLES": "1",
+           "CANDIDATES": "2", "PAIRS_PER_STATE": "1", "DATA_FRACTION": "1.0", "MAX_TURNS": "1", "MAX_NEW_TOKENS": "8",
+           "LR_CRITIC": "1e-3", "LR_DPO": "1e-3", "CRITIC_EPOCHS": "1", "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    table = (tmp_path / "run" / "results.txt").read_text()
+    assert "similarity metric: pixel_hist_v1" in table and "sweet_rl" in table
+    s = json.loads((tmp_path / "run" / "test_sweet_rl_summary.json").read_text())
+    assert s["metric"] == "pixel_hist_v1" and 0 <= s["win_rate"] <= 1
+    train = read(tmp_path / "run" / "train_graded.jsonl")
+    assert max(r["reward"] for r in train) == 1.0 and min(r["reward"] for r in train) < 0.9
+    assert (tmp_path / "run" / "critic" / "config.json").exists() and (tmp_path / "run" / "policy_sweet" / "config.json").exists()
+
+
+def read(path):
+    return [json.loads(l) for l in open(path)]

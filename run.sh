@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 if [ "${SMALL:-0}" = 1 ]; then
-  : "${N_TRAIN:=24}" "${N_TEST:=20}" "${N_WARMUP:=120}" "${SAMPLES:=2}" "${CANDIDATES:=4}" "${DATA_FRACTION:=0.25}"
+  : "${N_TRAIN:=16}" "${N_TEST:=20}" "${N_WARMUP:=80}" "${SAMPLES:=2}" "${CANDIDATES:=4}" "${DATA_FRACTION:=0.25}"
 fi
 RUN=${RUN:-runs/$([ "${SMALL:-0}" = 1 ] && echo small || echo default)}
 MODEL=${MODEL:-embedded}              # starting policy (HF path or id)
@@ -24,14 +24,14 @@ N_TEST=${N_TEST:-100}                 # test tasks
 SAMPLES=${SAMPLES:-4}                 # rollouts per train task
 ORACLE_SAMPLES=${ORACLE_SAMPLES:-0}   # extra oracle dialogues per train task (off-policy data)
 CANDIDATES=${CANDIDATES:-8}           # label_turns: candidates per state
-PAIRS_PER_STATE=${PAIRS_PER_STATE:-4}
-DATA_FRACTION=${DATA_FRACTION:-0.5}   # label_turns: share of train trajectories labelled
+PAIRS_PER_STATE=${PAIRS_PER_STATE:-2}
+DATA_FRACTION=${DATA_FRACTION:-0.15}  # label_turns: share of train trajectories labelled (released: 0.1)
 TEMPERATURE=${TEMPERATURE:-0.7}       # rollout sampling
 MAX_TURNS=${MAX_TURNS:-10}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-128}
 LR_WARMUP=${LR_WARMUP:-1e-4}
 LR_CRITIC=${LR_CRITIC:-1e-5}
-LR_DPO=${LR_DPO:-1e-6}
+LR_DPO=${LR_DPO:-2e-6}
 CRITIC_EPOCHS=${CRITIC_EPOCHS:-2}
 BATCH_SIZE=${BATCH_SIZE:-32}          # rollout dialogues per batch
 NPROC=${NPROC:-1}                     # processes per training stage (torchrun + FSDP2 when > 1)

@@ -57,6 +57,8 @@ class Args:
     """llm source: model name on that server (default: the server's first model)"""
     seed_texts: str = ""
     """llm source: a text file, one seed text per line (web text the task is built around)"""
+    families: str = ""
+    """procedural code tasks: comma-separated families to draw from (default: all)"""
     workers: int = 8
     """parallel sandboxed checks of ground truths"""
 
@@ -185,9 +187,9 @@ FAMILIES = {"threshold": fam_threshold, "fee": fam_fee, "greeting": fam_greeting
             "aggregate": fam_aggregate, "score": fam_score}
 
 
-def procedural_task(rng, family=None):
-    """One task from a random family, in the public format (plus `family`)."""
-    family = family or rng.choice(sorted(FAMILIES))
+def procedural_task(rng, family=None, families=None):
+    """One task from a random family (of `families`, default all), in the public format (plus `family`)."""
+    family = family or rng.choice(sorted(families or FAMILIES))
     fn, sig, desc, facts, gt, arg_lists = FAMILIES[family](rng)
     calls = [f"{fn}({', '.join(str(a) for a in args)})" for args in arg_lists]
     return {"problem_description": f"{desc} The signature of the function is: def {sig}",
@@ -338,11 +340,15 @@ def main(args):
         print(f"wrote {len(tasks)} tasks to {args.output}")
         return
     if args.source == "procedural":
+        families = [f for f in args.families.split(",") if f] or None
+        unknown = set(families or []) - set(FAMILIES)
+        if unknown:
+            sys.exit(f"--families: unknown {', '.join(sorted(unknown))}; choose from {', '.join(sorted(FAMILIES))}")
         rng, tasks, seen = random.Random(args.seed), [], set(exclude)
         for _ in range(args.num_tasks * 50):
             if len(tasks) == args.num_tasks:
                 break
-            t = procedural_task(rng)
+            t = procedural_task(rng, families=families)
             t["task_id"] = common.task_id(t)
             if t["task_id"] not in seen:
                 seen.add(t["task_id"])

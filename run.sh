@@ -18,7 +18,8 @@ fi
 RUN=${RUN:-runs/$([ "${SMALL:-0}" = 1 ] && echo small || echo default)}
 MODEL=${MODEL:-embedded}              # starting policy (HF path or id)
 WARMUP=${WARMUP:-$([ "$MODEL" = embedded ] && echo 1 || echo 0)}  # oracle-dialogue SFT before RL (README)
-N_WARMUP=${N_WARMUP:-240}             # warm-up tasks (oracle dialogues)
+N_WARMUP=${N_WARMUP:-120}             # warm-up tasks (oracle dialogues)
+WARMUP_FAMILIES=${WARMUP_FAMILIES:-threshold,fee,convert}  # the warm-up sees only these code families
 N_TRAIN=${N_TRAIN:-60}                # RL train tasks
 N_TEST=${N_TEST:-100}                 # test tasks
 SAMPLES=${SAMPLES:-4}                 # rollouts per train task
@@ -28,7 +29,7 @@ PAIRS_PER_STATE=${PAIRS_PER_STATE:-2}
 DATA_FRACTION=${DATA_FRACTION:-0.15}  # label_turns: share of train trajectories labelled (released: 0.1)
 TEMPERATURE=${TEMPERATURE:-0.7}       # rollout sampling
 MAX_TURNS=${MAX_TURNS:-10}
-MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-128}
+MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-96}
 LR_WARMUP=${LR_WARMUP:-1e-4}
 LR_CRITIC=${LR_CRITIC:-1e-5}
 LR_DPO=${LR_DPO:-2e-6}
@@ -79,7 +80,8 @@ gen() { "$PY" generate_tasks.py --task_type "$TASK_TYPE" "$@"; }
 POLICY=$MODEL
 if [ "$WARMUP" = 1 ]; then
   log "protocol warm-up: SFT on oracle dialogues (the starting policy of every method below)"
-  [ -f "$RUN/warmup_tasks.jsonl" ] || gen --num_tasks "$N_WARMUP" --seed $((SEED + 3)) \
+  fam=(); [ "$TASK_TYPE" = code ] && fam=(--families "$WARMUP_FAMILIES")
+  [ -f "$RUN/warmup_tasks.jsonl" ] || gen --num_tasks "$N_WARMUP" --seed $((SEED + 3)) "${fam[@]}" \
     --exclude "$RUN/test_tasks.jsonl" --output "$RUN/warmup_tasks.jsonl"
   rollout "$MODEL" "$RUN/warmup_tasks.jsonl" "$RUN/warmup_oracle.jsonl" --agent_backend oracle
   evaluate "$RUN/warmup_oracle.jsonl" warmup_oracle

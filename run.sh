@@ -27,7 +27,8 @@ ORACLE_SAMPLES=${ORACLE_SAMPLES:-0}   # extra oracle dialogues per train task (o
 CANDIDATES=${CANDIDATES:-8}           # label_turns: candidates per state
 PAIRS_PER_STATE=${PAIRS_PER_STATE:-2}
 DATA_FRACTION=${DATA_FRACTION:-0.1}   # label_turns: share of train trajectories labelled (released: 0.1)
-TEMPERATURE=${TEMPERATURE:-0.7}       # rollout sampling
+TEMPERATURE=${TEMPERATURE:-0.7}       # test rollouts' sampling temperature
+TRAIN_TEMPERATURE=${TRAIN_TEMPERATURE:-1.0}  # train rollouts: more varied samples give the critic pairs
 MAX_TURNS=${MAX_TURNS:-10}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-96}
 LR_WARMUP=${LR_WARMUP:-1e-4}
@@ -59,7 +60,7 @@ if [ -z "$SIMULATOR_URL" ]; then
 fi
 log "simulated human at $SIMULATOR_URL"
 
-rollout() {  # rollout POLICY TASKS OUT [extra args]
+rollout() {  # rollout POLICY TASKS OUT [extra args, which win]
   local policy=$1 tasks=$2 out=$3; shift 3
   "$PY" rollout.py --tasks "$tasks" --output "$out" --agent_model "$policy" --simulator_url "$SIMULATOR_URL" \
     --temperature "$TEMPERATURE" --max_turns "$MAX_TURNS" --max_new_tokens "$MAX_NEW_TOKENS" --batch_size "$BATCH_SIZE" \
@@ -91,7 +92,7 @@ if [ "$WARMUP" = 1 ]; then
 fi
 
 log "rollouts on train tasks ($SAMPLES per task) with $POLICY"
-rollout "$POLICY" "$RUN/train_tasks.jsonl" "$RUN/train_rollouts.jsonl" --samples "$SAMPLES"
+rollout "$POLICY" "$RUN/train_tasks.jsonl" "$RUN/train_rollouts.jsonl" --samples "$SAMPLES" --temperature "$TRAIN_TEMPERATURE"
 if [ "$ORACLE_SAMPLES" -gt 0 ]; then
   rollout "$POLICY" "$RUN/train_tasks.jsonl" "$RUN/train_rollouts.jsonl" --agent_backend oracle --samples "$ORACLE_SAMPLES" \
     --first_sample "$SAMPLES"

@@ -84,3 +84,26 @@ def test_simulator_script_prints_its_url():
         assert common.ChatClient(url).model == "scripted-human"
     finally:
         p.kill()
+
+
+def test_hf_backend_serves_chat_and_completions_for_the_openai_agent(tiny_model, task_files, simulator_url, tmp_path):
+    """simulator.py --backend hf over real HTTP: chat for a human, raw completions for rollout's openai agent."""
+    import subprocess
+    import sys
+    from conftest import read_jsonl, run_script
+    p = subprocess.Popen([sys.executable, "simulator.py", "--port", "0", "--backend", "hf", "--model", tiny_model,
+                          "--max_new_tokens", "8"], cwd=common.Path(common.__file__).parent, stdout=subprocess.PIPE, text=True)
+    try:
+        url = p.stdout.readline().split("ready at ")[1].strip().removesuffix("/v1")
+        client = common.ChatClient(url)
+        assert client.model == tiny_model
+        assert isinstance(client.chat([{"role": "user", "content": "hello"}], max_tokens=4), str)
+        train, _ = task_files
+        run_script("rollout.py", "--tasks", train, "--output", tmp_path / "r.jsonl", "--num_tasks", "2", "--max_turns", "2",
+                   "--agent_backend", "openai", "--agent_url", url, "--agent_model", tiny_model,
+                   "--simulator_url", simulator_url, "--max_new_tokens", "6", "--temperature", "0")
+        rows = read_jsonl(tmp_path / "r.jsonl")
+        assert len(rows) == 2 and all(m["input"].endswith("<|im_start|>assistant\n")
+                                      for r in rows for m in r["dialogue_history"] if m["role"] == "assistant")
+    finally:
+        p.kill()

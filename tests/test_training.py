@@ -168,6 +168,13 @@ def test_critic_learns_a_separable_toy_set(tiny_model, tmp_path):
     settings = json.loads((tmp_path / "critic" / "run_settings.json").read_text())
     assert settings["model"] == tiny_model and "git_commit" in settings
     AutoModelForCausalLM.from_pretrained(tmp_path / "critic")  # a plain HF checkpoint
+    # activation checkpointing gives the same first step
+    run_script("train_critic.py", "--trajectories", tmp_path / "g.jsonl", "--model", tiny_model, "--output_dir",
+               tmp_path / "critic_ckpt", "--lr", "3e-3", "--epochs", "1", "--batch_size", "4", "--heldout_fraction", "0.2",
+               "--grad_ckpt")
+    ckpt_log = read_jsonl(tmp_path / "critic_ckpt" / "log.jsonl")
+    assert ckpt_log[0]["loss"] == pytest.approx(log[0]["loss"], abs=1e-6)
+    assert ckpt_log[0]["grad_norm"] == pytest.approx(log[0]["grad_norm"], rel=1e-4)
 
 
 def test_label_turns_then_dpo_modes(tiny_model, tmp_path):

@@ -3,7 +3,8 @@
 Reads:  trajectories JSONL in the released schema (only `task`, `dialogue_history` and `answer` are
         required; `task_id` and `sample` are derived when absent), e.g. rollout.py's output or the
         public offline set. Writes: the same rows plus `reward` (fraction of tests passed),
-        `success`, `tests_passed`, `tests_total`, `timeouts`; optionally a summary JSON.
+        `success`, `tests_passed`, `tests_total`, `timeouts`, `verdicts` (per test: pass, wrong,
+        exception, timeout, crash, unencodable or infrastructure); optionally a summary JSON.
 
     python evaluate.py --input runs/test_rollouts.jsonl --output runs/test_graded.jsonl --k 4 --summary runs/test_summary.json
     python evaluate.py ... --released_semantics     # the released grader's quirks, for published numbers
@@ -23,7 +24,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -118,7 +119,11 @@ def grade_all(rows, args):
                                                                 gt[r["task_id"]]), rows), total=len(rows), desc="answers"))
     for r, g in zip(rows, grades):
         r.update(reward=g["reward"], success=g["success"], tests_passed=g["passed"], tests_total=g["total"],
-                 timeouts=g["timeouts"])
+                 timeouts=g["timeouts"], verdicts=g["verdicts"])
+    infra = sum(v == "infrastructure" for r in rows for v in r["verdicts"].values())
+    if infra:
+        print(f"WARNING: {infra} tests could not be judged (sandbox or ground-truth failure: 'infrastructure' verdicts)",
+              file=sys.stderr)
     return rows
 
 
@@ -134,7 +139,8 @@ def summarize(rows, k=1):
          "answered_rate": mean([r.get("finish", "answered" if common.ANSWER_MARKER in json.dumps(r["dialogue_history"]) else "")
                                 == "answered" for r in rows]),
          "errors": sum(r.get("finish") == "error" for r in rows),
-         "timeouts": sum(r.get("timeouts", 0) > 0 for r in rows), "k": k}
+         "timeouts": sum(r.get("timeouts", 0) > 0 for r in rows), "k": k,
+         "verdicts": dict(Counter(v for r in rows for v in r.get("verdicts", {}).values()))}
     firstk = [sorted(v, key=lambda r: r["sample"])[:k] for v in by_task.values()]
     s["best_of_k_success"] = mean([any(r.get("success", False) for r in v) for v in firstk])
     s["best_of_k_tests"] = mean([max(r["reward"] for r in v) for v in firstk])
@@ -156,7 +162,9 @@ def print_table(s, title=""):
         lines += [(f"best-of-{s['k']} success", f"{100 * s['best_of_k_success']:.1f}%"),
                   (f"best-of-{s['k']} tests", f"{100 * s['best_of_k_tests']:.1f}%")]
     lines += [("mean agent turns", f"{s['mean_turns']:.2f}"), ("answered with marker", f"{100 * s['answered_rate']:.1f}%"),
-              ("trajectories with a timed-out/crashed test", s["timeouts"]), ("rollout errors", s["errors"])]
+              ("trajectories with a timed-out test", s["timeouts"]), ("rollout errors", s["errors"])]
+    if s.get("verdicts"):
+        lines += [("test verdicts", ", ".join(f"{v} {s['verdicts'][v]}" for v in common.VERDICTS if v in s["verdicts"]))]
     print(f"\n{title or 'ColBench'}")
     for name, v in lines:
         print(f"  {name:<44} {v}")

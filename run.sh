@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 if [ "${SMALL:-0}" = 1 ]; then
-  : "${N_TRAIN:=16}" "${N_TEST:=20}" "${N_WARMUP:=80}" "${SAMPLES:=2}" "${CANDIDATES:=4}" "${DATA_FRACTION:=0.25}"
+  : "${N_TRAIN:=12}" "${N_TEST:=12}" "${N_WARMUP:=60}" "${SAMPLES:=2}" "${CANDIDATES:=4}" "${DATA_FRACTION:=0.25}"
 fi
 RUN=${RUN:-runs/$([ "${SMALL:-0}" = 1 ] && echo small || echo default)}
 MODEL=${MODEL:-embedded}              # starting policy (HF path or id)

@@ -69,19 +69,30 @@ def write_jsonl(path, rows):
 
 
 class ResumableWriter:
-    """Append-only JSONL output keyed by `key(row)`. Rows already on disk are skipped on rerun;
-    a half-written last line from a killed run is dropped. Each row is flushed when written, so
-    finished work survives a crash."""
+    """Append-only JSONL output keyed by `key(row)`. Rows already on disk are skipped on rerun,
+    except those for which `retry(row)` is true (e.g. dialogues that ended in a simulator error),
+    which are dropped so the rerun redoes them; a half-written last line from a killed run is
+    dropped with a warning. Each row is flushed when written, so finished work survives a crash."""
 
-    def __init__(self, path, key):
+    def __init__(self, path, key, retry=None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.key = key
         self.done = set()
         if self.path.exists():
-            rows = read_jsonl(self.path, tolerate_partial_last_line=True)
-            self.done = {key(r) for _, r in rows}
-            write_jsonl(self.path, [r for _, r in rows])  # drops a partial last line, if any
+            text = self.path.read_text(encoding="utf-8")
+            rows = [r for _, r in read_jsonl(self.path, tolerate_partial_last_line=True)]
+            if text and not text.endswith("\n"):
+                print(f"warning: {self.path}: dropping a half-written last line (a killed run); it will be redone",
+                      file=sys.stderr)
+            keep = [r for r in rows if not (retry and retry(r))]
+            if len(keep) < len(rows):
+                print(f"{self.path}: {len(rows) - len(keep)} rows will be redone", file=sys.stderr)
+            seen = set()
+            keep = [r for r in keep if not (key(r) in seen or seen.add(key(r)))]  # no duplicates, first wins
+            self.done = seen
+            if len(keep) < len(rows) or (text and not text.endswith("\n")):
+                write_jsonl(self.path, keep)
         self.f = open(self.path, "a", encoding="utf-8")
 
     def write(self, row):
@@ -604,22 +615,23 @@ def _equal(a, b):
 # OpenAI-compatible chat client (the simulated human; also an `openai` agent backend)
 # ----------------------------------------------------------------------------------------------
 class ChatClient:
-    """POST /v1/chat/completions with timeouts, retries with exponential backoff on connection
-    errors and 5xx, and a thread pool for many dialogues at once."""
+    """POST /v1/chat/completions with a per-request timeout, retries with exponential backoff on
+    connection errors, timeouts and 5xx until `retry_time` seconds have passed, and a thread pool
+    for many dialogues at once."""
 
-    def __init__(self, base_url, model=None, timeout=120.0, retries=5, backoff=1.0, workers=16):
+    def __init__(self, base_url, model=None, timeout=120.0, retry_time=300.0, backoff=1.0, workers=16):
         import requests
         self.session = requests.Session()
         self.base_url = base_url.rstrip("/")
         if not self.base_url.endswith("/v1"):
             self.base_url += "/v1"
-        self.timeout, self.retries, self.backoff, self.workers = timeout, retries, backoff, workers
+        self.timeout, self.retry_time, self.backoff, self.workers = timeout, retry_time, backoff, workers
         self.model = model or self._first_model()
 
     def _request(self, method, path, **kw):
         import requests
-        last = None
-        for attempt in range(self.retries + 1):
+        give_up, attempt = time.monotonic() + self.retry_time, 0
+        while True:
             try:
                 r = self.session.request(method, self.base_url + path, timeout=self.timeout, **kw)
                 if r.status_code < 500:
@@ -628,9 +640,12 @@ class ChatClient:
                 last = f"HTTP {r.status_code}: {r.text[:200]}"
             except (requests.ConnectionError, requests.Timeout) as e:
                 last = f"{type(e).__name__}: {e}"
-            if attempt < self.retries:
-                time.sleep(self.backoff * 2 ** attempt)
-        raise ConnectionError(f"{self.base_url}{path} failed after {self.retries + 1} tries ({last}). "
+            wait = min(self.backoff * 2 ** attempt, 30.0)
+            if time.monotonic() + wait > give_up:
+                break
+            time.sleep(wait)
+            attempt += 1
+        raise ConnectionError(f"{self.base_url}{path} failed {attempt + 1} times in {self.retry_time:g} s ({last}). "
                               f"Is the server running? Start the embedded one with `python simulator.py`.")
 
     def _first_model(self):
@@ -646,17 +661,26 @@ class ChatClient:
         body = {"model": self.model, "prompt": prompt, "temperature": temperature, "max_tokens": max_tokens, **extra}
         return self._request("POST", "/completions", json=body)["choices"][0]["text"] or ""
 
-    def chat_many(self, list_of_messages, **kw):
-        return self._many(self.chat, list_of_messages, kw)
+    def chat_many(self, list_of_messages, errors=False, **kw):
+        """One reply per message list; with errors=True a request that fails for good gives its
+        exception in place of the reply instead of raising."""
+        return self._many(self.chat, list_of_messages, kw, errors)
 
-    def complete_many(self, prompts, **kw):
-        return self._many(self.complete, prompts, kw)
+    def complete_many(self, prompts, errors=False, **kw):
+        return self._many(self.complete, prompts, kw, errors)
 
-    def _many(self, fn, items, kw):
+    def _many(self, fn, items, kw, errors):
+        def one(x):
+            try:
+                return fn(x, **kw)
+            except Exception as e:
+                if not errors:
+                    raise
+                return e
         if len(items) <= 1:
-            return [fn(x, **kw) for x in items]
+            return [one(x) for x in items]
         with ThreadPoolExecutor(min(self.workers, len(items))) as pool:
-            return list(pool.map(lambda x: fn(x, **kw), items))
+            return list(pool.map(one, items))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1132,16 +1156,29 @@ def trajectory_pairs(rows, task_type="code", min_gap=0.1):
 
 
 def load_graded(path):
-    """Graded trajectories (evaluate.py output); each needs `reward` and stored agent inputs/outputs."""
-    rows = []
+    """Graded trajectories (evaluate.py output); each needs `reward` and stored agent inputs/outputs.
+    Dialogues that ended in an infrastructure error (finish=error) are left out with a note: their
+    low reward says nothing about the agent."""
+    rows, errors = [], 0
     for line, r in read_jsonl(path):
         for field in ("task", "dialogue_history", "reward"):
             if field not in r:
                 raise DataError(f"{path}:{line}: missing '{field}' (grade rollouts with evaluate.py first)")
+        if not isinstance(r["dialogue_history"], list) or not isinstance(r["task"], dict):
+            raise DataError(f"{path}:{line}: 'task' must be an object and 'dialogue_history' a list")
+        if not isinstance(r["reward"], (int, float)):
+            raise DataError(f"{path}:{line}: 'reward' must be a number, got {r['reward']!r}")
         r["task_id"] = r.get("task_id") or task_id(r["task"])
         if not agent_turns(r):
             raise DataError(f"{path}:{line}: no assistant turn with stored 'input' and 'output'")
+        if r.get("finish") == "error":
+            errors += 1
+            continue
         rows.append(r)
+    if errors:
+        print(f"{path}: left out {errors} dialogues that ended with finish=error", file=sys.stderr)
+    if not rows:
+        raise DataError(f"{path}: no usable trajectories")
     return rows
 
 

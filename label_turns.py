@@ -109,15 +109,16 @@ def encode_state(tok, prefix, prompt, candidates, max_len):
 
 
 def make_pairs(candidates, advantages, k, rng):
-    """k pairs: one candidate from the better half and one from the worse half; the higher is chosen."""
+    """Up to k distinct pairs: one candidate from the better half and one from the worse half, the
+    higher one chosen; identical texts never pair, and no pair of texts repeats."""
     order = sorted(range(len(candidates)), key=lambda i: -advantages[i])
     better, worse = order[: len(order) // 2], order[len(order) // 2:]
-    pairs = []
-    for _ in range(k):
-        if not better or not worse:
-            break
-        a, b = rng.choice(better), rng.choice(worse)
-        if candidates[a] != candidates[b] and advantages[a] > advantages[b]:
+    options = [(a, b) for a in better for b in worse if candidates[a] != candidates[b] and advantages[a] > advantages[b]]
+    rng.shuffle(options)
+    pairs, seen = [], set()
+    for a, b in options:
+        if len(pairs) < k and (candidates[a], candidates[b]) not in seen:
+            seen.add((candidates[a], candidates[b]))
             pairs.append((a, b))
     return pairs
 

@@ -12,8 +12,9 @@ Reads:  tasks JSONL (generate_tasks.py). Talks to: the simulated human over HTTP
     python rollout.py ... --agent_backend openai --agent_url http://gpu:8001 --agent_model meta-llama/Llama-3.1-8B-Instruct
     python rollout.py ... --shard 0/4          # or under torchrun: shard = RANK/WORLD_SIZE
 
-Rerunning on the same output resumes: dialogues already written are skipped. Shards write
-OUTPUT.shard-i-of-n; `cat` them to merge.
+Rerunning on the same output resumes: dialogues already written are skipped, and those that ended
+with finish=error (e.g. the simulator failed for longer than --simulator_retry_s) are redone.
+Shards write OUTPUT.shard-i-of-n; `cat` them to merge.
 
 Deviations from the paper / released code:
 1. The agent's and the human's prompts are ours (same protocol: short questions, at most 10 agent
@@ -72,6 +73,10 @@ class Args:
     """model name on the simulator server (default: its first model)"""
     human_workers: int = 16
     """concurrent requests to the simulator"""
+    simulator_timeout: float = 120.0
+    """seconds one simulator request may take before it is retried"""
+    simulator_retry_s: float = 300.0
+    """seconds to keep retrying a failing simulator (with backoff) before that dialogue ends with finish=error"""
     render_workers: int = 2
     """html: headless browsers rendering pages for the human"""
     batch_size: int = 32
@@ -117,11 +122,12 @@ AGENTS = {"hf": common.HFSampler, "openai": common.OpenAISampler, "vllm": common
 
 
 # ----------------------------------------------------------------------------------------------
-def finish(ep, how):
+def finish(ep, how, error=None):
     last = ep["dialogue"][-1]["content"] if ep["dialogue"][-1]["role"] == "assistant" else ""
-    return {"task": ep["task"], "dialogue_history": ep["dialogue"], "answer": common.extract_answer(last, ep["task_type"]),
-            "task_id": ep["task"]["task_id"], "sample": ep["sample"],
-            "num_turns": sum(m["role"] == "assistant" for m in ep["dialogue"]), "finish": how}
+    row = {"task": ep["task"], "dialogue_history": ep["dialogue"], "answer": common.extract_answer(last, ep["task_type"]),
+           "task_id": ep["task"]["task_id"], "sample": ep["sample"],
+           "num_turns": sum(m["role"] == "assistant" for m in ep["dialogue"]), "finish": how}
+    return row if error is None else dict(row, error=error)
 
 
 def main(args):
@@ -134,19 +140,21 @@ def main(args):
     tasks = common.load_tasks(args.tasks, args.task_type)[: args.num_tasks or None]
     jobs = [(t, k) for t in tasks for k in range(args.first_sample, args.first_sample + args.samples)][shard::num_shards]
     out_path = common.sharded_path(args.output, shard, num_shards)
-    writer = common.ResumableWriter(out_path, key=lambda r: (r["task_id"], r["sample"]))
+    writer = common.ResumableWriter(out_path, key=lambda r: (r["task_id"], r["sample"]),
+                                    retry=lambda r: r.get("finish") == "error")  # a rerun retries failed dialogues
     todo = deque((t, k) for t, k in jobs if (t["task_id"], k) not in writer.done)
     print(f"{len(jobs)} dialogues in this shard, {len(jobs) - len(todo)} already in {out_path}, {len(todo)} to run",
           file=sys.stderr)
     if not todo:
         return
-    human = common.ChatClient(args.simulator_url, args.simulator_model or None, workers=args.human_workers)
+    human = common.ChatClient(args.simulator_url, args.simulator_model or None, workers=args.human_workers,
+                              timeout=args.simulator_timeout, retry_time=args.simulator_retry_s)
     agent = AGENTS[args.agent_backend](args.agent_model, args)
     max_chars = common.HUMAN_MAX_CHARS[args.task_type]
     pool = common.RenderPool(args.render_workers) if args.task_type == "html" else None
     targets = {}  # html: task_id -> the target page's render, once per task
 
-    active, bar = [], tqdm(total=len(todo), desc="dialogues", unit="dlg")
+    active, errors, bar = [], 0, tqdm(total=len(todo), desc="dialogues", unit="dlg")
     while todo or active:
         while todo and len(active) < args.batch_size:  # refill free slots
             t, k = todo.popleft()
@@ -160,7 +168,7 @@ def main(args):
         done, ask = [], []
         for i, ep in enumerate(active):
             if too_long[i]:
-                done.append(finish(ep, "error"))
+                done.append(finish(ep, "error", f"prompt longer than --max_prompt_tokens {args.max_prompt_tokens}"))
                 continue
             out = outputs[i]
             ep["dialogue"].append({"role": "assistant", "content": out, "input": prompts[i], "output": out})
@@ -181,18 +189,24 @@ def main(args):
             agent_imgs = [renders.pop(0)[0] if s else None for s in snippets]
             requests = [common.human_messages(ep["task"], ep["dialogue"], "html", img, targets[ep["task"]["task_id"]])
                         for ep, img in zip(ask, agent_imgs)]
-        replies = human.chat_many(requests, temperature=0.0, max_tokens=256)
+        replies = human.chat_many(requests, errors=True, temperature=0.0, max_tokens=256)
+        active = []
         for ep, reply in zip(ask, replies):
+            if isinstance(reply, Exception):  # the simulator failed for good: keep the dialogue, marked
+                done.append(finish(ep, "error", f"simulator: {reply}"))
+                continue
             ep["dialogue"].append({"role": "user", "content": reply.strip()[:max_chars]})
+            active.append(ep)
         for row in done:
             writer.write(row)
         bar.update(len(done))
-        active = ask
+        errors += sum(r["finish"] == "error" for r in done)
     bar.close()
     writer.close()
     if pool is not None:
         pool.close()
-    print(f"wrote {out_path}")
+    print(f"wrote {out_path}" + (f"; {errors} dialogues ended with finish=error (rerun the same command to retry "
+                                 f"them)" if errors else ""), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -130,7 +130,8 @@ def test_pairs_come_from_opposite_halves():
     adv = [rng.random() for _ in cands]
     order = sorted(range(16), key=lambda i: -adv[i])
     pairs = label_turns.make_pairs(cands, adv, 50, rng)
-    assert len(pairs) == 50
+    assert len(pairs) == 50 and len(set(pairs)) == 50  # distinct pairs
+    assert len(label_turns.make_pairs(cands, adv, 100, rng)) == 64  # at most every better x worse pair
     for a, b in pairs:
         assert a in order[:8] and b in order[8:] and adv[a] > adv[b]
     assert label_turns.make_pairs(["same"] * 4, [1, 2, 3, 4], 4, rng) == []  # identical candidates never pair

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -1035,8 +1036,16 @@ def all_reduce(x, op="sum"):
     return t.item()
 
 
+def barrier():
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 def save_checkpoint(model, tokenizer, out_dir, rank, settings=None):
-    """Gather the full state dict to rank 0 and save a plain HF checkpoint (loads in transformers and vLLM)."""
+    """Gather the full state dict to rank 0 and save a plain HF checkpoint (loads in transformers and
+    vLLM). Written to a temp dir first and moved in file by file, config.json last: a directory
+    with a config.json holds a complete checkpoint, whenever the run was killed."""
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -1044,12 +1053,69 @@ def save_checkpoint(model, tokenizer, out_dir, rank, settings=None):
     else:
         state = model.state_dict()
     if rank == 0:
-        model.save_pretrained(out_dir, state_dict=state)
-        tokenizer.save_pretrained(out_dir)
+        out_dir = Path(out_dir)
+        tmp = out_dir / ".checkpoint.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, state_dict=state)
+        tokenizer.save_pretrained(tmp)
         if settings is not None:
-            save_run_settings(Path(out_dir) / "run_settings.json", settings)
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+            save_run_settings(tmp / "run_settings.json", settings)
+        for f in sorted(tmp.iterdir(), key=lambda f: f.name == "config.json"):
+            os.replace(f, out_dir / f.name)
+        tmp.rmdir()
+        shutil.rmtree(out_dir / "resume", ignore_errors=True)  # the run is complete
+    barrier()
+
+
+RESUME_KEYS = ("batch_size", "seed", "epochs")  # what the data order depends on
+
+
+def save_training_state(model, opt, resume_dir, step, args, rank):
+    """Model and optimizer state (torch.distributed.checkpoint: each rank writes its own shards) to
+    a temp dir, renamed into place when complete: a kill at any moment leaves the previous state."""
+    import warnings
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    msd, osd = get_state_dict(model, opt)
+    tmp, old = resume_dir.with_name("resume.tmp"), resume_dir.with_name("resume.old")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    barrier()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
+    barrier()
+    if rank == 0:
+        (tmp / "meta.json").write_text(json.dumps({"step": step, **{k: getattr(args, k) for k in RESUME_KEYS}}))
+        if resume_dir.exists():
+            os.replace(resume_dir, old)
+        os.replace(tmp, resume_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    barrier()
+
+
+def load_training_state(model, opt, resume_dir, args):
+    """Restore what save_training_state wrote; returns the step to continue after (0: nothing saved)."""
+    import warnings
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    old = resume_dir.with_name("resume.old")
+    if not (resume_dir / "meta.json").exists():
+        resume_dir = old  # killed between the two renames
+    if not (resume_dir / "meta.json").exists():
+        return 0
+    meta = json.loads((resume_dir / "meta.json").read_text())
+    clash = [f"--{k} {meta[k]} (this run: {getattr(args, k)})" for k in RESUME_KEYS if meta[k] != getattr(args, k)]
+    if clash:
+        raise SystemExit(f"--resume: {resume_dir} was written with {', '.join(clash)}; the data order would differ. "
+                         f"Rerun with the same settings, or drop --resume to start over.")
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, checkpoint_id=str(resume_dir))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return meta["step"]
 
 
 def dummy_forwards(model, n):
@@ -1090,20 +1156,32 @@ def precompute(model, items, fn, rank, world, desc="reference log-probs"):
     return [results[i] for i in range(len(items))]
 
 
-def train_loop(model, examples, loss_fn, args, rank, world, log_path=None):
+def train_loop(model, examples, loss_fn, args, rank, world, out_dir):
     """The loop both training stages share: shuffled global batches of args.batch_size examples, each
     rank taking batch[rank::world]; loss_fn(model, local_examples, global_batch_size) returns
     (loss scaled so that the sum over ranks is the global-batch mean, forwards made, metrics
-    summed over local examples). AdamW, gradient clipping at 1.0, one log line per step."""
+    summed over local examples). AdamW, gradient clipping at 1.0, one line per step to stdout and
+    OUT_DIR/log.jsonl. Every args.save_every steps the training state goes to OUT_DIR/resume; with
+    args.resume the loop continues from it (same data order, weights and optimizer state)."""
     import torch
+    out_dir = Path(out_dir)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
+    start = load_training_state(model, opt, out_dir / "resume", args) if args.resume else 0
+    history = [r for _, r in read_jsonl(out_dir / "log.jsonl", True)][:start] if start else []
+    if rank == 0:
+        write_jsonl(out_dir / "log.jsonl", history)
+        if start:
+            print(f"resuming after step {start}", flush=True)
+    log = open(out_dir / "log.jsonl", "a") if rank == 0 else None
     rng = random.Random(args.seed)  # same order on every rank
-    step, history = 0, []
-    log = open(log_path, "w") if (log_path and rank == 0) else None  # training restarts from scratch
+    step, total = 0, args.epochs * math.ceil(len(examples) / args.batch_size)
     for epoch in range(args.epochs):
         order = list(range(len(examples)))
         rng.shuffle(order)
         for b in range(0, len(order), args.batch_size):
+            if step < start:  # done before the restart
+                step += 1
+                continue
             batch = [examples[i] for i in order[b:b + args.batch_size]]
             t0 = time.time()
             loss, n_fwd, metrics = loss_fn(model, batch[rank::world], len(batch))
@@ -1123,9 +1201,10 @@ def train_loop(model, examples, loss_fn, args, rank, world, log_path=None):
             history.append(line)
             if rank == 0:
                 print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in line.items()), flush=True)
-                if log:
-                    log.write(json.dumps(line) + "\n")
-                    log.flush()
+                log.write(json.dumps(line) + "\n")
+                log.flush()
+            if args.save_every and step % args.save_every == 0 and step < total:
+                save_training_state(model, opt, out_dir / "resume", step, args, rank)
     if log:
         log.close()
     return history

@@ -65,6 +65,10 @@ class Args:
     """share of tasks whose pairs are held out for evaluation"""
     grad_ckpt: bool = False
     """activation checkpointing"""
+    save_every: int = 50
+    """save the training state (model + optimizer) every N steps to OUTPUT_DIR/resume (0 = never)"""
+    resume: bool = False
+    """continue from OUTPUT_DIR/resume (same --batch_size, --seed, --epochs) instead of starting over"""
     seed: int = 0
     """data order and held-out split"""
 
@@ -158,7 +162,7 @@ def main(args):
 
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     critic.train()
-    history = common.train_loop(critic, train_pairs, loss_fn, args, rank, world, log_path=Path(args.output_dir) / "log.jsonl")
+    history = common.train_loop(critic, train_pairs, loss_fn, args, rank, world, args.output_dir)
     final = {**evaluate("train", train_pairs), **evaluate("heldout", held_pairs)}
     if rank == 0:
         print("final " + " ".join(f"{k}={v:.4g}" for k, v in final.items()), flush=True)

@@ -64,6 +64,10 @@ class Args:
     """longest token sequence; longer ones keep their last max_len tokens"""
     grad_ckpt: bool = False
     """activation checkpointing (less memory, ~30% slower)"""
+    save_every: int = 50
+    """save the training state (model + optimizer) every N steps to OUTPUT_DIR/resume (0 = never)"""
+    resume: bool = False
+    """continue from OUTPUT_DIR/resume (same --batch_size, --seed, --epochs) instead of starting over"""
     seed: int = 0
     """data order"""
 
@@ -156,7 +160,7 @@ def main(args):
         return loss, n_fwd, metrics
 
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-    common.train_loop(model, examples, loss_fn, args, rank, world, log_path=Path(args.output_dir) / "log.jsonl")
+    common.train_loop(model, examples, loss_fn, args, rank, world, args.output_dir)
     common.save_checkpoint(model, tok, args.output_dir, rank, args)
     if rank == 0:
         print(f"saved {args.output_dir}")

@@ -167,3 +167,35 @@ def test_label_turns_killed_with_sigkill_then_rerun(tiny_model, tmp_path):
     pairs = read_jsonl(out)
     assert {skey(p) for p in pairs} <= {skey(s) for s in all_states}
     assert len({(*skey(p), p["chosen"], p["rejected"]) for p in pairs}) == len(pairs)
+
+
+def test_training_killed_with_sigkill_resumes_to_the_same_weights(tiny_model, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+    tok = common.load_tokenizer(tiny_model)
+    write_graded(tok, tmp_path / "g.jsonl", n_tasks=12)
+    args = lambda out, *extra: ["train_dpo.py", "--mode", "sft", "--trajectories", tmp_path / "g.jsonl", "--model",
+                                tiny_model, "--output_dir", out, "--lr", "1e-3", "--epochs", "3", "--batch_size", "1",
+                                "--save_every", "1", *extra]
+    run_script(*args(tmp_path / "whole"))
+    p = start_stage(*args(tmp_path / "killed"))
+    meta = tmp_path / "killed" / "resume" / "meta.json"
+    t0 = time.time()
+    while not (meta.exists() and json.loads(meta.read_text())["step"] >= 3):
+        assert p.poll() is None and time.time() - t0 < 120
+        time.sleep(0.01)
+    p.send_signal(signal.SIGKILL)
+    assert p.wait() == -signal.SIGKILL
+    assert not (tmp_path / "killed" / "config.json").exists()  # no checkpoint that looks finished
+    # settings that would change the data order are refused before any work
+    bad = subprocess.run([sys.executable, *map(str, args(tmp_path / "killed", "--resume", "--seed", "7"))], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "--seed 0 (this run: 7)" in bad.stderr
+    out = run_script(*args(tmp_path / "killed", "--resume")).stdout
+    assert "resuming after step" in out
+    whole, resumed = (read_jsonl(tmp_path / d / "log.jsonl") for d in ("whole", "killed"))
+    assert [r["step"] for r in resumed] == list(range(1, 37))
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in whole], rel=1e-5)
+    a, b = (AutoModelForCausalLM.from_pretrained(tmp_path / d) for d in ("whole", "killed"))
+    assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(a.parameters(), b.parameters()))
+    assert not (tmp_path / "killed" / "resume").exists()  # cleaned up once the checkpoint is complete

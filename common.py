@@ -629,9 +629,10 @@ class ChatClient:
         self.timeout, self.retry_time, self.backoff, self.workers = timeout, retry_time, backoff, workers
         self.model = model or self._first_model()
 
-    def _request(self, method, path, **kw):
+    def _request(self, method, path, retry_time=None, **kw):
         import requests
-        give_up, attempt = time.monotonic() + self.retry_time, 0
+        retry_time = self.retry_time if retry_time is None else retry_time
+        give_up, attempt = time.monotonic() + retry_time, 0
         while True:
             try:
                 r = self.session.request(method, self.base_url + path, timeout=self.timeout, **kw)
@@ -646,11 +647,11 @@ class ChatClient:
                 break
             time.sleep(wait)
             attempt += 1
-        raise ConnectionError(f"{self.base_url}{path} failed {attempt + 1} times in {self.retry_time:g} s ({last}). "
+        raise ConnectionError(f"{self.base_url}{path} failed {attempt + 1} times in {retry_time:g} s ({last}). "
                               f"Is the server running? Start the embedded one with `python simulator.py`.")
 
-    def _first_model(self):
-        return self._request("GET", "/models")["data"][0]["id"]
+    def _first_model(self):  # at start-up a wrong URL should fail fast, not after retry_time
+        return self._request("GET", "/models", retry_time=min(self.retry_time, 20.0))["data"][0]["id"]
 
     def chat(self, messages, temperature=0.0, max_tokens=256, **extra):
         body = {"model": self.model, "messages": messages, "temperature": temperature,
@@ -849,6 +850,23 @@ def parse_args(cls, doc=None, argv=None):
             kind = {"int": int, "float": float, "str": str}.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
             p.add_argument(f"--{f.name}", type=kind, required=required, default=None if required else f.default, help=h)
     return cls(**vars(p.parse_args(argv)))
+
+
+def refuse(*problems):
+    """Exit before any work when settings can't work together: each problem is a message or False."""
+    problems = [p for p in problems if p]
+    if problems:
+        sys.exit("error: " + "\n       ".join(problems))
+
+
+def run(main, cls, doc):
+    """A stage's entry point: parse the command line, run, and turn bad input into one clear line
+    (file:line: what is wrong) instead of a traceback."""
+    args = parse_args(cls, doc)
+    try:
+        return main(args)
+    except DataError as e:
+        sys.exit(f"error: {e}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1234,18 +1252,39 @@ def trajectory_pairs(rows, task_type="code", min_gap=0.1):
     return pairs
 
 
-def load_graded(path):
+def validate_trajectory(r, where, task_type=None):
+    """Raise DataError naming `where` (file:line) if a trajectory is malformed. The task is checked
+    fully when task_type is given, else only for the ground truth the critic needs."""
+    for field in ("task", "dialogue_history"):
+        if field not in r:
+            raise DataError(f"{where}: missing field '{field}' (a trajectory needs task, dialogue_history and answer)")
+    if not isinstance(r["task"], dict):
+        raise DataError(f"{where}: 'task' must be an object, got {type(r['task']).__name__}")
+    if task_type:
+        validate_task(r["task"], task_type, where)
+    elif not isinstance(r["task"].get("ground_truth"), str):
+        raise DataError(f"{where}: task.ground_truth must be a string (the critic's training-time information)")
+    if not isinstance(r["dialogue_history"], list):
+        raise DataError(f"{where}: 'dialogue_history' must be a list of messages")
+    for j, m in enumerate(r["dialogue_history"]):
+        if not (isinstance(m, dict) and m.get("role") in ("user", "assistant", "system") and isinstance(m.get("content"), str)):
+            raise DataError(f"{where}: dialogue_history[{j}] must be {{'role': user|assistant|system, 'content': str}}")
+        if m["role"] == "assistant" and "input" in m and not (isinstance(m["input"], str) and isinstance(m.get("output"), str)):
+            raise DataError(f"{where}: dialogue_history[{j}]: stored 'input' and 'output' must both be strings")
+    if not isinstance(r.get("answer", ""), (str, type(None))):
+        raise DataError(f"{where}: 'answer' must be a string or null")
+
+
+def load_graded(path, task_type=None):
     """Graded trajectories (evaluate.py output); each needs `reward` and stored agent inputs/outputs.
     Dialogues that ended in an infrastructure error (finish=error) are left out with a note: their
     low reward says nothing about the agent."""
     rows, errors = [], 0
     for line, r in read_jsonl(path):
-        for field in ("task", "dialogue_history", "reward"):
-            if field not in r:
-                raise DataError(f"{path}:{line}: missing '{field}' (grade rollouts with evaluate.py first)")
-        if not isinstance(r["dialogue_history"], list) or not isinstance(r["task"], dict):
-            raise DataError(f"{path}:{line}: 'task' must be an object and 'dialogue_history' a list")
-        if not isinstance(r["reward"], (int, float)):
+        validate_trajectory(r, f"{path}:{line}", task_type)
+        if "reward" not in r:
+            raise DataError(f"{path}:{line}: missing 'reward' (grade rollouts with evaluate.py first)")
+        if not isinstance(r["reward"], (int, float)) or isinstance(r["reward"], bool):
             raise DataError(f"{path}:{line}: 'reward' must be a number, got {r['reward']!r}")
         r["task_id"] = r.get("task_id") or task_id(r["task"])
         if not agent_turns(r):

@@ -90,14 +90,15 @@ def _by_task(rows):
     return out
 
 
-def load_trajectories(path):
-    """Trajectories in the released schema; task_id and sample derived when absent."""
+def load_trajectories(path, task_type="code"):
+    """Trajectories in the released schema, all checked before any grading; task_id and sample
+    derived when absent."""
     rows, counts = [], defaultdict(int)
     for line, r in common.read_jsonl(path):
-        for field in ("task", "dialogue_history", "answer"):
-            if field not in r:
-                raise common.DataError(f"{path}:{line}: missing field '{field}' (a trajectory needs task, "
-                                       f"dialogue_history and answer)")
+        common.validate_trajectory(r, f"{path}:{line}", task_type)
+        if "answer" not in r:
+            raise common.DataError(f"{path}:{line}: missing field 'answer' (a trajectory needs task, dialogue_history "
+                                   f"and answer)")
         r["task_id"] = r.get("task_id") or common.task_id(r["task"])
         if "sample" not in r:
             r["sample"] = counts[r["task_id"]]
@@ -171,9 +172,12 @@ def print_table(s, title=""):
 
 
 def main(args):
-    if args.task_type not in ("code", "html"):
-        sys.exit(f"--task_type {args.task_type}: choose code or html")
-    rows = load_trajectories(args.input)
+    common.refuse(args.task_type not in ("code", "html") and f"--task_type {args.task_type}: choose code or html",
+                  args.k < 1 and "--k must be at least 1", args.timeout <= 0 and "--timeout must be positive",
+                  args.task_type == "html" and args.released_semantics and "--released_semantics applies to code only",
+                  args.reference and args.task_type != "html" and "--reference (win rate) applies to --task_type html",
+                  args.reference and not os.path.exists(args.reference) and f"--reference {args.reference}: not found")
+    rows = load_trajectories(args.input, args.task_type)
     if args.task_type == "html":
         rows, extra = grade_html(rows, args)
     else:
@@ -197,4 +201,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(common.parse_args(Args, __doc__))
+    common.run(main, Args, __doc__)

@@ -377,4 +377,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(common.parse_args(Args, __doc__))
+    common.run(main, Args, __doc__)

@@ -124,6 +124,15 @@ def make_pairs(candidates, advantages, k, rng):
 
 
 def main(args):
+    common.refuse(args.num_candidates < 2 and "--num_candidates must be at least 2 (pairs need two candidates)",
+                  args.pairs_per_state < 1 and "--pairs_per_state must be at least 1",
+                  not 0 < args.data_fraction <= 1 and "--data_fraction must be in (0, 1]",
+                  args.temperature <= 0 and "--temperature must be positive (greedy candidates are all the same)",
+                  not 0 < args.top_p <= 1 and "--top_p must be in (0, 1]",
+                  args.agent_backend not in ("hf", "openai", "vllm") and "--agent_backend: choose hf, openai or vllm",
+                  args.agent_backend == "openai" and not args.agent_url and "--agent_backend openai needs --agent_url",
+                  not (Path(args.critic) / "run_settings.json").exists()
+                  and f"--critic {args.critic}: no run_settings.json (expected a train_critic.py output directory)")
     settings = json.loads((Path(args.critic) / "run_settings.json").read_text())
     ref_name, no_info = settings["model"], settings.get("no_training_info", False)
     policy_name = args.policy or ref_name
@@ -174,4 +183,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(common.parse_args(Args, __doc__))
+    common.run(main, Args, __doc__)

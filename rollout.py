@@ -131,10 +131,14 @@ def finish(ep, how, error=None):
 
 
 def main(args):
-    if args.agent_backend not in AGENTS:
-        sys.exit(f"--agent_backend {args.agent_backend}: choose one of {', '.join(AGENTS)}")
-    if args.agent_backend == "openai" and not args.agent_url:
-        sys.exit("--agent_backend openai needs --agent_url")
+    common.refuse(args.task_type not in ("code", "html") and f"--task_type {args.task_type}: choose code or html",
+                  args.agent_backend not in AGENTS and f"--agent_backend {args.agent_backend}: choose one of {', '.join(AGENTS)}",
+                  args.agent_backend == "openai" and not args.agent_url and "--agent_backend openai needs --agent_url",
+                  args.samples < 1 and "--samples must be at least 1", args.max_turns < 1 and "--max_turns must be at least 1",
+                  args.batch_size < 1 and "--batch_size must be at least 1",
+                  args.temperature < 0 and "--temperature must be >= 0", not 0 < args.top_p <= 1 and "--top_p must be in (0, 1]",
+                  args.max_new_tokens < 1 and "--max_new_tokens must be at least 1",
+                  args.first_sample < 0 and "--first_sample must be >= 0")
     shard, num_shards = common.parse_shard(args.shard)
     common.seed_everything(args.seed + shard)
     tasks = common.load_tasks(args.tasks, args.task_type)[: args.num_tasks or None]
@@ -210,4 +214,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(common.parse_args(Args, __doc__))
+    common.run(main, Args, __doc__)

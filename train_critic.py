@@ -98,8 +98,14 @@ def critic_loss(score_chosen, score_rejected):
 
 
 def main(args):
-    if args.normalization not in ("turn", "trajectory"):
-        sys.exit("--normalization: choose turn or trajectory")
+    common.refuse(args.normalization not in ("turn", "trajectory") and "--normalization: choose turn or trajectory",
+                  args.task_type not in ("code", "html") and f"--task_type {args.task_type}: choose code or html",
+                  args.beta <= 0 and "--beta must be positive", args.lr <= 0 and "--lr must be positive",
+                  args.epochs < 1 and "--epochs must be at least 1", args.batch_size < 1 and "--batch_size must be at least 1",
+                  not 0 <= args.heldout_fraction < 1 and "--heldout_fraction must be in [0, 1)",
+                  args.save_every < 0 and "--save_every must be >= 0",
+                  args.resume and not Path(args.output_dir, "resume").exists() and not Path(args.output_dir, "resume.old").exists()
+                  and f"--resume: nothing to resume in {args.output_dir}/resume")
     rank, world, device = common.init_distributed()
     torch.manual_seed(args.seed)
     tok = common.load_tokenizer(args.model)
@@ -173,4 +179,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(common.parse_args(Args, __doc__))
+    common.run(main, Args, __doc__)

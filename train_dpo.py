@@ -85,8 +85,8 @@ def build_examples(args):
         rows = common.read_jsonl(args.pairs)
         for line, r in rows:
             for f in ("prompt", "chosen", "rejected"):
-                if f not in r:
-                    raise common.DataError(f"{args.pairs}:{line}: missing '{f}' (expected label_turns.py output)")
+                if not isinstance(r.get(f), str):
+                    raise common.DataError(f"{args.pairs}:{line}: '{f}' must be a string (expected label_turns.py output)")
         return [{"chosen": [(r["prompt"], r["chosen"])], "rejected": [(r["prompt"], r["rejected"])]} for _, r in rows]
     graded = common.load_graded(args.trajectories)
     if args.mode == "trajectory":
@@ -102,10 +102,17 @@ def build_examples(args):
 
 
 def main(args):
-    if args.mode not in ("turn", "trajectory", "sft"):
-        sys.exit(f"--mode {args.mode}: choose turn, trajectory or sft")
-    if args.mode == "turn" and not args.pairs or args.mode != "turn" and not args.trajectories:
-        sys.exit("--mode turn needs --pairs; --mode trajectory/sft need --trajectories")
+    common.refuse(args.mode not in ("turn", "trajectory", "sft") and f"--mode {args.mode}: choose turn, trajectory or sft",
+                  args.mode == "turn" and not args.pairs and "--mode turn needs --pairs (label_turns.py output)",
+                  args.mode in ("trajectory", "sft") and not args.trajectories and f"--mode {args.mode} needs --trajectories",
+                  args.mode == "turn" and args.trajectories and "--trajectories is for --mode trajectory/sft; turn uses --pairs",
+                  args.mode != "turn" and args.pairs and "--pairs is for --mode turn",
+                  args.task_type not in ("code", "html") and f"--task_type {args.task_type}: choose code or html",
+                  args.beta <= 0 and "--beta must be positive", args.lr <= 0 and "--lr must be positive",
+                  args.nll_coef < 0 and "--nll_coef must be >= 0", args.epochs < 1 and "--epochs must be at least 1",
+                  args.batch_size < 1 and "--batch_size must be at least 1", args.save_every < 0 and "--save_every must be >= 0",
+                  args.resume and not Path(args.output_dir, "resume").exists() and not Path(args.output_dir, "resume.old").exists()
+                  and f"--resume: nothing to resume in {args.output_dir}/resume")
     rank, world, device = common.init_distributed()
     torch.manual_seed(args.seed)
     tok = common.load_tokenizer(args.model)
@@ -167,4 +174,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(common.parse_args(Args, __doc__))
+    common.run(main, Args, __doc__)

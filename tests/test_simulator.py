@@ -68,7 +68,7 @@ def test_client_retries_5xx_then_succeeds():
 
 
 def test_unreachable_server_is_a_clear_error():
-    with pytest.raises(ConnectionError, match="failed 3 times in 0.05 s.*simulator.py"):
+    with pytest.raises(ConnectionError, match=r"failed \d+ times in 0.05 s.*simulator.py"):
         common.ChatClient("http://127.0.0.1:9", model="m", retry_time=0.05, backoff=0.02).chat([{"role": "user", "content": "x"}])
 
 

@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 if [ "${SMALL:-0}" = 1 ]; then
-  : "${N_TRAIN:=12}" "${N_TEST:=12}" "${N_WARMUP:=60}" "${SAMPLES:=2}" "${CANDIDATES:=4}" "${DATA_FRACTION:=0.25}"
+  : "${N_TRAIN:=12}" "${N_TEST:=12}" "${N_WARMUP:=60}" "${SAMPLES:=2}" "${CANDIDATES:=4}" "${DATA_FRACTION:=0.2}"
 fi
 RUN=${RUN:-runs/$([ "${SMALL:-0}" = 1 ] && echo small || echo default)}
 MODEL=${MODEL:-embedded}              # starting policy (HF path or id)
@@ -30,7 +30,7 @@ DATA_FRACTION=${DATA_FRACTION:-0.1}   # label_turns: share of train trajectories
 TEMPERATURE=${TEMPERATURE:-0.7}       # test rollouts' sampling temperature
 TRAIN_TEMPERATURE=${TRAIN_TEMPERATURE:-1.0}  # train rollouts: more varied samples give the critic pairs
 MAX_TURNS=${MAX_TURNS:-10}
-MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-96}
+MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-$([ "${TASK_TYPE:-code}" = html ] && echo 640 || echo 96)}  # a page needs ~350 tokens
 LR_WARMUP=${LR_WARMUP:-1e-4}
 LR_CRITIC=${LR_CRITIC:-1e-5}
 LR_DPO=${LR_DPO:-2e-6}

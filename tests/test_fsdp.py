@@ -45,3 +45,34 @@ def test_two_processes_match_one(tiny_model, tmp_path, script, extra):
     base = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
     with torch.no_grad():
         assert not torch.allclose(base(ids).logits, l2, atol=1e-4)  # the FSDP checkpoint holds the trained weights
+
+
+def test_two_processes_killed_and_resumed_match_one_uninterrupted(tiny_model, tmp_path):
+    """The resume state is written shard by shard under FSDP2; a torchrun killed with SIGKILL and
+    relaunched with --resume ends where one uninterrupted process does."""
+    import json
+    import signal
+    import time
+    tok = common.load_tokenizer(tiny_model)
+    write_graded(tok, tmp_path / "g.jsonl", n_tasks=8)
+    args = lambda out: ["--mode", "trajectory", "--trajectories", tmp_path / "g.jsonl", "--model", tiny_model,
+                        "--output_dir", out, "--lr", "1e-3", "--batch_size", "2", "--epochs", "2", "--save_every", "1"]
+    launch(1, "train_dpo.py", *args(tmp_path / "one"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "train_dpo.py"), *map(str, args(tmp_path / "two"))]
+    p = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    meta, t0 = tmp_path / "two" / "resume" / "meta.json", time.time()
+    while not (meta.exists() and json.loads(meta.read_text())["step"] >= 2):
+        assert p.poll() is None and time.time() - t0 < 300
+        time.sleep(0.01)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    launch(2, "train_dpo.py", *args(tmp_path / "two"), "--resume")
+    one, two = read_jsonl(tmp_path / "one" / "log.jsonl"), read_jsonl(tmp_path / "two" / "log.jsonl")
+    assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(1, 9))
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], abs=1e-5)
+    ids = torch.tensor([tok("I WANT TO ANSWER: def f(x): return x * 2")["input_ids"]])
+    m1, m2 = (AutoModelForCausalLM.from_pretrained(tmp_path / d).eval() for d in ("one", "two"))
+    with torch.no_grad():
+        assert torch.allclose(m1(ids).logits, m2(ids).logits, atol=1e-4)

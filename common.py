@@ -1060,6 +1060,16 @@ def barrier():
         dist.barrier()
 
 
+def all_reduce_dict(d):
+    """Sum a dict of numbers across ranks; a key some rank lacks counts as 0 there."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return dict(d)
+    keys = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, sorted(d))
+    return {k: all_reduce(d.get(k, 0)) for k in sorted(set().union(*keys))}
+
+
 def save_checkpoint(model, tokenizer, out_dir, rank, settings=None):
     """Gather the full state dict to rank 0 and save a plain HF checkpoint (loads in transformers and
     vLLM). Written to a temp dir first and moved in file by file, config.json last: a directory
@@ -1176,9 +1186,9 @@ def precompute(model, items, fn, rank, world, desc="reference log-probs"):
 
 def train_loop(model, examples, loss_fn, args, rank, world, out_dir):
     """The loop both training stages share: shuffled global batches of args.batch_size examples, each
-    rank taking batch[rank::world]; loss_fn(model, local_examples, global_batch_size) returns
-    (loss scaled so that the sum over ranks is the global-batch mean, forwards made, metrics
-    summed over local examples). AdamW, gradient clipping at 1.0, one line per step to stdout and
+    rank taking batch[rank::world]; loss_fn(model, [example], global_batch_size) returns (loss
+    scaled so that the sum over the batch is the global-batch mean, forwards made, metrics summed
+    over the examples given), and is called once per example, each followed by its backward. AdamW, gradient clipping at 1.0, one line per step to stdout and
     OUT_DIR/log.jsonl. Every args.save_every steps the training state goes to OUT_DIR/resume; with
     args.resume the loop continues from it (same data order, weights and optimizer state)."""
     import torch
@@ -1201,17 +1211,28 @@ def train_loop(model, examples, loss_fn, args, rank, world, out_dir):
                 step += 1
                 continue
             batch = [examples[i] for i in order[b:b + args.batch_size]]
-            t0 = time.time()
-            loss, n_fwd, metrics = loss_fn(model, batch[rank::world], len(batch))
-            if world > 1:
-                loss = loss + dummy_forwards(model, all_reduce(n_fwd, "max") - n_fwd)
-            # FSDP averages gradients over ranks; loss_fn scaled by 1/global batch, so undo the 1/world
-            (loss * world).backward()
+            local, t0, metrics = batch[rank::world], time.time(), {}
+            # one backward per example (gradient accumulation): memory holds one example's graph,
+            # whatever the batch size; every rank runs the same number of forwards and backwards
+            n_micro = int(all_reduce(len(local), "max"))
+            for j in range(n_micro):
+                if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce gradients once per step
+                    model.set_requires_gradient_sync(j == n_micro - 1)
+                loss, n_fwd, m = loss_fn(model, local[j:j + 1], len(batch)) if j < len(local) else (None, 0, {})
+                has_grad = loss is not None and loss.requires_grad
+                pad = int(all_reduce(n_fwd + (not has_grad), "max")) - n_fwd if world > 1 else 0
+                if pad or not has_grad:  # zero-weight forwards: ranks stay in lockstep, and a backward exists
+                    loss = (loss if has_grad else 0.0) + dummy_forwards(model, max(pad, 1))
+                # FSDP averages gradients over ranks; loss_fn scaled by 1/global batch, so undo the 1/world
+                (loss * world).backward()
+                for k, v in m.items():
+                    metrics[k] = metrics.get(k, 0) + v
+            metrics.setdefault("n", 0)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
             step += 1
-            m = {k: all_reduce(v) for k, v in sorted(metrics.items())}
+            m = all_reduce_dict(metrics)
             n = m.pop("n")
             line = {"step": step, "epoch": epoch, **{k: v / max(n, 1) for k, v in m.items() if k != "tokens"},
                     "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),

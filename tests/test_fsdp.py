@@ -19,6 +19,28 @@ def launch(nproc, script, *args):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
 
 
+def kill_tree(pid):
+    """SIGKILL a process and all its descendants, children first found from /proc."""
+    import signal
+    children = {}
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(d))
+    todo, found = [pid], []
+    while todo:
+        q = todo.pop()
+        found.append(q)
+        todo += children.get(q, [])
+    for q in found:
+        try:
+            os.kill(q, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 @pytest.mark.parametrize("script,extra", [
     ("train_critic.py", ["--epochs", "2", "--heldout_fraction", "0"]),
     ("train_dpo.py", ["--mode", "trajectory", "--epochs", "2"]),
@@ -66,8 +88,9 @@ def test_two_processes_killed_and_resumed_match_one_uninterrupted(tiny_model, tm
     while not (meta.exists() and json.loads(meta.read_text())["step"] >= 2):
         assert p.poll() is None and time.time() - t0 < 300
         time.sleep(0.01)
-    os.killpg(p.pid, signal.SIGKILL)
+    kill_tree(p.pid)  # torchrun and its workers (they may sit in sessions of their own)
     p.wait()
+    assert len(read_jsonl(tmp_path / "two" / "log.jsonl")) < 8 and not (tmp_path / "two" / "config.json").exists()
     launch(2, "train_dpo.py", *args(tmp_path / "two"), "--resume")
     one, two = read_jsonl(tmp_path / "one" / "log.jsonl"), read_jsonl(tmp_path / "two" / "log.jsonl")
     assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(1, 9))

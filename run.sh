@@ -47,7 +47,13 @@ CLIP_MODEL=${CLIP_MODEL:-}            # html: a local CLIP model; empty = the na
 PY=${PY:-.venv/bin/python}
 mkdir -p "$RUN"
 log() { printf '\n== %s\n' "$*"; }
-train() { if [ "$NPROC" -gt 1 ]; then "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" "$@"; else "$PY" "$@"; fi; }
+train() {  # a training stage; it continues from OUTPUT_DIR/resume when a killed run left one there
+  local a=("$@") i
+  for ((i = 0; i + 1 < ${#a[@]}; i++)); do
+    if [ "${a[i]}" = --output_dir ] && { [ -d "${a[i+1]}/resume" ] || [ -d "${a[i+1]}/resume.old" ]; }; then a+=(--resume); fi
+  done
+  if [ "$NPROC" -gt 1 ]; then "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" "${a[@]}"; else "$PY" "${a[@]}"; fi
+}
 have() { [ -f "$1/config.json" ]; }
 
 if [ -z "$SIMULATOR_URL" ]; then

@@ -13,8 +13,8 @@ Writes: PAIRS JSONL, one pair a line: prompt, chosen, rejected, chosen_advantage
 For each state o_t (PAPER.md §3): sample N candidate turns a from the policy; score each with
     advantage(a) = mean over a's tokens of [log pi_critic(a | c, o_t) - log pi_ref(a | c, o_t)]
 (pi_ref by its own forward pass, never the sampler's log-probs, whose meaning changes with
-temperature and vLLM version). Per state, pairs_per_state pairs: one candidate drawn from the
-better half by advantage, one from the worse half; the higher one is chosen.
+temperature and vLLM version). Per state, up to pairs_per_state distinct pairs: one candidate
+drawn from the better half by advantage, one from the worse half; the higher one is chosen.
 
 Scoring shares work: the prompt (c + o_t) is run once, and the N candidates run as one batch
 on its KV cache (score_candidates); it equals naive one-by-one scoring (tests check 1e-4).

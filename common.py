@@ -377,7 +377,7 @@ class _UidPool:
 
     def __init__(self, size=64):
         import queue
-        self.q = queue.Queue()
+        self.q, self.pid = queue.Queue(), os.getpid()
         self.base = 100_000 + (os.getpid() % 100_000) * size
         for u in range(self.base, self.base + size):
             self.q.put(u)
@@ -427,11 +427,13 @@ def run_calls(code, calls, timeout=10.0, released=False, mem_mb=1024):
     """Run `code`, then each (name, call expression), in a sandbox. Returns {name: (status, value)}:
     ("ok", plain Python data) or (exception | unencodable | timeout | crash | infrastructure, reason).
     Never raises: an infrastructure failure is a status, so a run always goes on."""
-    global _sandbox
+    global _sandbox, _uids
     calls = list(calls)
     try:
         if _sandbox is None:
             _sandbox = _choose_sandbox()
+        if _uids.pid != os.getpid():  # a forked worker process gets uids of its own
+            _uids = _UidPool()
         with _uids as uid:
             return _run_sandboxed(code, calls, timeout, released, mem_mb, uid)
     except Exception as e:  # e.g. no pipes or processes left: the run goes on, the test is unjudged

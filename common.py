@@ -620,7 +620,8 @@ def _equal(a, b):
 class ChatClient:
     """POST /v1/chat/completions with a per-request timeout, retries with exponential backoff on
     connection errors, timeouts and 5xx until `retry_time` seconds have passed, and a thread pool
-    for many dialogues at once."""
+    for many dialogues at once. Once a request has failed for good, later ones get 5 s each until
+    one succeeds, so a dead server ends the remaining dialogues quickly instead of 300 s each."""
 
     def __init__(self, base_url, model=None, timeout=120.0, retry_time=300.0, backoff=1.0, workers=16):
         import requests
@@ -629,17 +630,21 @@ class ChatClient:
         if not self.base_url.endswith("/v1"):
             self.base_url += "/v1"
         self.timeout, self.retry_time, self.backoff, self.workers = timeout, retry_time, backoff, workers
+        self.down = False
         self.model = model or self._first_model()
 
     def _request(self, method, path, retry_time=None, **kw):
         import requests
         retry_time = self.retry_time if retry_time is None else retry_time
+        if self.down:  # the server already failed for good: one short try each, until it is back
+            retry_time = min(retry_time, 5.0)
         give_up, attempt = time.monotonic() + retry_time, 0
         while True:
             try:
                 r = self.session.request(method, self.base_url + path, timeout=self.timeout, **kw)
                 if r.status_code < 500:
                     r.raise_for_status()
+                    self.down = False
                     return r.json()
                 last = f"HTTP {r.status_code}: {r.text[:200]}"
             except (requests.ConnectionError, requests.Timeout) as e:
@@ -649,6 +654,7 @@ class ChatClient:
                 break
             time.sleep(wait)
             attempt += 1
+        self.down = True
         raise ConnectionError(f"{self.base_url}{path} failed {attempt + 1} times in {retry_time:g} s ({last}). "
                               f"Is the server running? Start the embedded one with `python simulator.py`.")
 

@@ -741,6 +741,64 @@ def human_messages(task, dialogue, task_type="code", agent_image=None, target_im
     return msgs
 
 
+# ----------------------------------------------------------------------------------------------
+# The scripted human (simulator.py's default backend) and the ground-truth credit of a turn
+# ----------------------------------------------------------------------------------------------
+STOPWORDS = set("""a an the is are was were be been to of in on for and or but with at by from as it its this that
+these those what which who whom whose how when where why do does did can could would should will shall may might must
+i you he she we they me my your our their us them please tell know need want like about any some there here if then
+so just also more most very much many than too not no yes okay ok thanks thank function python code write give
+let have has had get make use value values one""".split())
+
+
+def words(text):
+    """Lower-case content words; identifiers split at '_'; a plural 's' dropped."""
+    out = set()
+    for w in re.findall(r"[A-Za-z]+|\d+", text.replace("_", " ")):
+        w = w.lower()
+        if w in STOPWORDS or len(w) < 2 and not w.isdigit():
+            continue
+        out.add(w[:-1] if len(w) > 3 and w.endswith("s") else w)
+    return out
+
+
+def scripted_reply(hidden, question, max_lines=2):
+    """At most two hidden lines relevant to the question, else "I don't know"."""
+    q = words(question)
+    scored = []
+    for i, line in enumerate(l for l in hidden.splitlines() if l.strip()):
+        overlap = len(q & words(line))
+        if overlap:
+            scored.append((-overlap, i, line.strip()))
+    if not scored:
+        return "I don't know, sorry."
+    best = sorted(sorted(scored)[:max_lines], key=lambda s: s[1])  # the best lines, in original order
+    is_code = hidden.lstrip().startswith(("def ", "import ", "from ", "class "))
+    return ("\n" if is_code else " ").join(line for _, _, line in best)
+
+
+def revealed_facts(task, dialogue):
+    """Hidden-information lines the human has already said in `dialogue` (its user messages after
+    the request). Procedural tasks state each fact on one line, and the scripted human quotes lines."""
+    said = " ".join(m["content"] for m in dialogue[1:] if m["role"] == "user")
+    return {line.strip() for line in task["hidden_information"].splitlines() if line.strip() and line.strip() in said}
+
+
+def turn_class(task, dialogue, turn, last_turn=False, grade=None):
+    """Ground-truth credit of one candidate agent turn after `dialogue` (procedural code tasks with the
+    scripted human): 'good' for a question whose scripted reply reveals a fact not yet revealed, or
+    an answer whose code passes every test; 'bad' for a failing answer or a question that reveals
+    nothing new. A turn is an answer when it has the marker or is the dialogue's last allowed turn.
+    grade(code) -> success (default: grade_code in the sandbox)."""
+    if ANSWER_MARKER in turn or last_turn:
+        ok = grade(extract_answer(turn)) if grade else grade_code(task, extract_answer(turn))["success"]
+        return "good" if ok else "bad"
+    known = revealed_facts(task, dialogue)
+    reply = scripted_reply(task["hidden_information"], turn)
+    new = {l.strip() for l in task["hidden_information"].splitlines() if l.strip() and l.strip() in reply} - known
+    return "good" if new else "bad"
+
+
 def parse_hidden_information(system_prompt):
     """Inverse of HUMAN_PROMPT for the scripted simulator: the hidden lines, or None."""
     m = re.search(r"HIDDEN INFORMATION \(only you know it\):\n(.*?)\nEND HIDDEN INFORMATION", system_prompt, re.S)

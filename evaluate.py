@@ -35,8 +35,8 @@ import common
 
 @dataclass
 class Args:
-    input: str
-    """trajectories JSONL (released schema)"""
+    input: str = ""
+    """trajectories JSONL (released schema) to grade"""
     output: str = ""
     """graded trajectories JSONL (default: none)"""
     task_type: str = "code"
@@ -57,6 +57,15 @@ class Args:
     """html: graded trajectories of a reference run; reports this run's win rate against it"""
     render_workers: int = 2
     """html: headless browsers rendering in parallel"""
+    compare: str = ""
+    """instead of grading: NAME=GRADED,... graded runs on the same tasks (the first is the baseline); writes
+    success with 95%% bootstrap intervals and paired differences to the first to --summary"""
+    policies: str = ""
+    """with --compare: NAME=DIR,... the checkpoint each run used (recorded in the results)"""
+    credit: str = ""
+    """with --compare: label_turns.py's PAIRS.credit.json (turn-credit accuracy of each critic)"""
+    bootstrap: int = 10000
+    """with --compare: bootstrap resamples over tasks"""
 
 
 def grade_html(rows, args):
@@ -171,12 +180,71 @@ def print_table(s, title=""):
         print(f"  {name:<44} {v}")
 
 
+def bootstrap_ci(values, n_boot=10000, seed=0):
+    """95% percentile interval of the mean of per-task values, resampling tasks with replacement."""
+    import numpy as np
+    x = np.asarray(values, dtype=float)
+    idx = np.random.default_rng(seed).integers(0, len(x), size=(n_boot, len(x)))  # [n_boot, n_tasks]
+    means = x[idx].mean(axis=1)
+    return [float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))]
+
+
+def compare(args):
+    """Each method's success (mean over tasks of the per-task success rate) with a 95% bootstrap interval
+    over tasks, and its paired difference to the first method on the same tasks with its own interval."""
+    runs = dict(kv.split("=", 1) for kv in args.compare.split(","))
+    policies = dict(kv.split("=", 1) for kv in args.policies.split(",") if kv)
+    per_task, tests = {}, {}
+    for name, path in runs.items():
+        rows = [r for _, r in common.read_jsonl(path)]
+        for line, r in enumerate(rows, 1):
+            if "success" not in r:
+                raise common.DataError(f"{path}:{line}: missing 'success' (pass graded trajectories from evaluate.py)")
+        by = defaultdict(list)
+        for r in rows:
+            by[r.get("task_id") or common.task_id(r["task"])].append(r)
+        per_task[name] = {t: sum(bool(r["success"]) for r in v) / len(v) for t, v in by.items()}
+        tests[name] = sum(r["reward"] for r in rows) / len(rows)
+    base = next(iter(runs))
+    tasks = sorted(set.intersection(*(set(v) for v in per_task.values())))
+    if not tasks:
+        raise common.DataError("--compare: the runs share no task")
+    res = {"num_test_tasks": len(tasks), "methods": {}, "paired_vs_zero_shot" if base == "zero_shot" else f"paired_vs_{base}": {}}
+    paired = res["paired_vs_zero_shot" if base == "zero_shot" else f"paired_vs_{base}"]
+    for name in runs:
+        xs = [per_task[name][t] for t in tasks]
+        res["methods"][name] = {"success": sum(xs) / len(xs), "ci95": bootstrap_ci(xs, args.bootstrap),
+                                "tests_passed": tests[name], "policy": policies.get(name, "")}
+        if name != base:
+            d = [per_task[name][t] - per_task[base][t] for t in tasks]
+            paired[name] = {"diff": sum(d) / len(d), "ci95": bootstrap_ci(d, args.bootstrap)}
+    if args.credit:
+        res["credit_accuracy"] = json.loads(open(args.credit).read())["credit_accuracy"]
+    print(f"{'method':<16}{'success':>9}{'95% interval':>18}{'vs ' + base:>14}{'95% interval':>18}{'tests passed':>14}")
+    for name, m in res["methods"].items():
+        p = paired.get(name)
+        ci = f"[{100 * m['ci95'][0]:.1f}, {100 * m['ci95'][1]:.1f}]"
+        diff = f"{100 * p['diff']:+.1f}" if p else "-"
+        diff_ci = f"[{100 * p['ci95'][0]:+.1f}, {100 * p['ci95'][1]:+.1f}]" if p else ""
+        print(f"{name:<16}{100 * m['success']:>8.1f}%{ci:>18}{diff:>14}{diff_ci:>18}{100 * m['tests_passed']:>13.1f}%")
+    print(f"({len(tasks)} test tasks; 95% intervals: bootstrap over tasks, {args.bootstrap} resamples)")
+    if res.get("credit_accuracy"):
+        print("turn-credit accuracy: " + ", ".join(f"{k} {v:.3f}" for k, v in res["credit_accuracy"].items() if v is not None))
+    if args.summary:
+        with open(args.summary, "w") as f:
+            json.dump(res, f, indent=2)
+    return res
+
+
 def main(args):
+    if args.compare:
+        return compare(args)
     common.refuse(args.task_type not in ("code", "html") and f"--task_type {args.task_type}: choose code or html",
                   args.k < 1 and "--k must be at least 1", args.timeout <= 0 and "--timeout must be positive",
                   args.task_type == "html" and args.released_semantics and "--released_semantics applies to code only",
                   args.reference and args.task_type != "html" and "--reference (win rate) applies to --task_type html",
-                  args.reference and not os.path.exists(args.reference) and f"--reference {args.reference}: not found")
+                  args.reference and not os.path.exists(args.reference) and f"--reference {args.reference}: not found",
+                  not args.input and "--input is required (or --compare NAME=GRADED,...)")
     rows = load_trajectories(args.input, args.task_type)
     if args.task_type == "html":
         rows, extra = grade_html(rows, args)

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 import common
-from train_critic import training_info
+from train_critic import training_info, turn_advantage
 
 
 @dataclass
@@ -70,11 +70,15 @@ class Args:
     """sampling and pair drawing"""
     shard: str = ""
     """i/n: only this shard of the states (default: torchrun RANK/WORLD_SIZE)"""
+    credit_critics: str = ""
+    """NAME=DIR,...: more critics (variants) that score the same candidates, for the turn-credit accuracy only"""
+    max_turns: int = 10
+    """the rollouts' turn limit (a candidate at the last turn is an answer, for the turn classes)"""
 
 
 def score_candidates(model, prompt_ids, cand_ids, chunk=1024):
-    """Mean log-prob of each candidate given the prompt: the prompt runs once, then all candidates
-    as one right-padded batch on its KV cache. Returns a [N] tensor."""
+    """Summed log-prob of each candidate given the prompt, and its token count: the prompt runs once,
+    then all candidates as one right-padded batch on its KV cache. Returns two [N] tensors."""
     device = next(model.parameters()).device
     prompt = torch.tensor([prompt_ids], device=device)
     out = model(input_ids=prompt, use_cache=True)
@@ -91,13 +95,13 @@ def score_candidates(model, prompt_ids, cand_ids, chunk=1024):
     logits = model(input_ids=ids, past_key_values=cache, attention_mask=mask).logits  # [N, L, vocab]
     # position j of the candidate batch predicts candidate token j+1; the prompt's last position predicts token 0
     logits = torch.cat([first_logits.expand(n, 1, -1), logits[:, :-1]], dim=1)  # [N, L, vocab]
-    means = []
+    sums = []
     for i, c in enumerate(cand_ids):
         lg, tg = logits[i, :len(c)], ids[i, :len(c)]
-        lp = torch.cat([l.float().gather(1, t[:, None]).squeeze(1) - torch.logsumexp(l.float(), -1)
-                        for l, t in zip(lg.split(chunk), tg.split(chunk))])
-        means.append(lp.mean())
-    return torch.stack(means)
+        lp = torch.cat([rows.float().gather(1, tgt[:, None]).squeeze(1) - torch.logsumexp(rows.float(), -1)
+                        for rows, tgt in zip(lg.split(chunk), tg.split(chunk))])
+        sums.append(lp.sum())
+    return torch.stack(sums), torch.tensor([float(len(c)) for c in cand_ids], device=device)
 
 
 def encode_state(tok, prefix, prompt, candidates, max_len):
@@ -123,6 +127,34 @@ def make_pairs(candidates, advantages, k, rng):
     return pairs
 
 
+def state_dialogue(traj, turn):
+    """The messages before agent turn `turn` (what the agent had seen)."""
+    seen = 0
+    for j, m in enumerate(traj["dialogue_history"]):
+        if m["role"] == "assistant" and "input" in m:
+            if seen == turn:
+                return traj["dialogue_history"][:j]
+            seen += 1
+    return traj["dialogue_history"]
+
+
+def credit_accuracy(states, name):
+    """Turn-credit accuracy of one critic over labelled states: among every two candidates of a state
+    whose ground-truth classes differ, the share where the critic gives the good one the higher
+    advantage (ties count half). Returns (accuracy or None, number of such pairs)."""
+    hits, n = 0.0, 0
+    for s in states:
+        cls, adv = s.get("classes"), s.get("advantages_by_critic", {}).get(name)
+        if not cls or adv is None:
+            continue
+        for i in range(len(cls)):
+            for j in range(len(cls)):
+                if cls[i] == "good" and cls[j] == "bad":
+                    n += 1
+                    hits += 1.0 if adv[i] > adv[j] else 0.5 if adv[i] == adv[j] else 0.0
+    return (hits / n if n else None), n
+
+
 def main(args):
     common.refuse(args.num_candidates < 2 and "--num_candidates must be at least 2 (pairs need two candidates)",
                   args.pairs_per_state < 1 and "--pairs_per_state must be at least 1",
@@ -131,10 +163,17 @@ def main(args):
                   not 0 < args.top_p <= 1 and "--top_p must be in (0, 1]",
                   args.agent_backend not in ("hf", "openai", "vllm") and "--agent_backend: choose hf, openai or vllm",
                   args.agent_backend == "openai" and not args.agent_url and "--agent_backend openai needs --agent_url",
-                  not (Path(args.critic) / "run_settings.json").exists()
-                  and f"--critic {args.critic}: no run_settings.json (expected a train_critic.py output directory)")
-    settings = json.loads((Path(args.critic) / "run_settings.json").read_text())
-    ref_name, no_info = settings["model"], settings.get("no_training_info", False)
+                  any("=" not in kv for kv in args.credit_critics.split(",") if kv)
+                  and f"--credit_critics {args.credit_critics}: expected NAME=DIR,NAME=DIR")
+    critic_dirs = {"sweet": args.critic, **dict(kv.split("=", 1) for kv in args.credit_critics.split(",") if kv)}
+    for name, d in critic_dirs.items():
+        common.refuse(not (Path(d) / "run_settings.json").exists()
+                      and f"critic {name}={d}: no run_settings.json (expected a train_critic.py output directory)")
+    critic_settings = {name: json.loads((Path(d) / "run_settings.json").read_text()) for name, d in critic_dirs.items()}
+    settings = critic_settings["sweet"]
+    ref_name = settings["model"]
+    common.refuse(*[s["model"] != ref_name and f"critic {name} starts from {s['model']}, the main critic from {ref_name}: "
+                    f"one pi_ref for all" for name, s in critic_settings.items()])
     policy_name = args.policy or ref_name
     shard, num_shards = common.parse_shard(args.shard)
     common.seed_everything(args.seed + shard)
@@ -155,31 +194,69 @@ def main(args):
     pairs_out = common.ResumableWriter(out_path, key=lambda r: (*key(r), r["chosen"], r["rejected"]))
     todo = [s for s in states if (s[0]["task_id"], s[0].get("sample", 0), s[1]) not in state_log.done]
     print(f"{len(states)} states in this shard, {len(states) - len(todo)} done, {len(todo)} to label", file=sys.stderr)
-    if not todo:
-        return
+    if todo:
+        label(args, todo, critic_dirs, critic_settings, ref_name, policy_name, rng, pairs_out, state_log)
+    pairs_out.close()
+    state_log.close()
+    report_credit(args, out_path, critic_dirs)
+    print(f"wrote {out_path}")
 
+
+def label(args, todo, critic_dirs, critic_settings, ref_name, policy_name, rng, pairs_out, state_log):
+    """Sample, score and pair the candidates of every state in todo; one states.jsonl row per state."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tok = common.load_tokenizer(ref_name)
-    critic = common.load_model(args.critic, device).eval()
+    critics = {name: common.load_model(d, device).eval() for name, d in critic_dirs.items()}
     ref = common.load_model(ref_name, device).eval()
     sampler_cls = {"hf": common.HFSampler, "openai": common.OpenAISampler, "vllm": common.VLLMSampler}[args.agent_backend]
     sampler = sampler_cls(policy_name, args, loaded=ref if policy_name == ref_name else None) \
         if args.agent_backend == "hf" else sampler_cls(policy_name, args)
+    gt_results = {}  # task_id -> the ground truth's results, to grade candidate answers (procedural tasks)
 
     for traj, turn, prompt in common.tqdm_if(todo, True, "states"):
         candidates = sampler.generate([prompt] * args.num_candidates)  # the policy never sees c
-        prefix = training_info(traj["task"], no_info)  # c reaches the critic (and pi_ref's matching input)
-        prompt_ids, cand_ids = encode_state(tok, prefix, prompt, candidates, args.max_len)
-        with torch.no_grad():
-            advantage = (score_candidates(critic, prompt_ids, cand_ids) - score_candidates(ref, prompt_ids, cand_ids)).tolist()
+        advantages, ref_scores = {}, {}
+        for name, critic in critics.items():
+            s = critic_settings[name]
+            prefix = training_info(traj["task"], s.get("no_training_info", False))  # c reaches the critic and pi_ref
+            prompt_ids, cand_ids = encode_state(tok, prefix, prompt, candidates, args.max_len)
+            with torch.no_grad():
+                logp_sum, count = score_candidates(critic, prompt_ids, cand_ids)
+                if prefix not in ref_scores:  # pi_ref once per distinct input
+                    ref_scores[prefix] = score_candidates(ref, prompt_ids, cand_ids)[0]
+            ref_sum = ref_scores[prefix]
+            advantages[name] = turn_advantage(logp_sum, ref_sum, count, s["beta"]).tolist()  # train_critic's A(o_t, a_t, c)
+        advantage = advantages["sweet"]
         base = {"task_id": traj["task_id"], "sample": traj.get("sample", 0), "turn": turn}
         for a, b in make_pairs(candidates, advantage, args.pairs_per_state, rng):
             pairs_out.write({"prompt": prompt, "chosen": candidates[a], "rejected": candidates[b],
                              "chosen_advantage": advantage[a], "rejected_advantage": advantage[b], **base})
-        state_log.write({**base, "candidates": candidates, "advantages": advantage})
-    pairs_out.close()
-    state_log.close()
-    print(f"wrote {out_path}")
+        row = {**base, "candidates": candidates, "advantages": advantage}
+        task = traj["task"]
+        if "family" in task and "test_cases" in task:  # procedural code task: every candidate's true class
+            if task["task_id"] not in gt_results:
+                gt_results[task["task_id"]] = common.run_calls(task["ground_truth"], list(task["test_cases"].items()))
+            grade = lambda code: common.grade_code(task, code, gt_results=gt_results[task["task_id"]])["success"]
+            before = state_dialogue(traj, turn)
+            row["classes"] = [common.turn_class(task, before, c, turn >= args.max_turns - 1, grade) for c in candidates]
+            row["advantages_by_critic"] = {**advantages, "untrained": [0.0] * len(candidates)}
+        state_log.write(row)
+
+
+def report_credit(args, out_path, critic_dirs):
+    """Turn-credit accuracy of every critic on this shard's labelled states, printed and written to
+    PAIRS.credit.json. 'untrained' is pi_ref itself as critic: its advantage is 0 for every turn."""
+    states = [r for _, r in common.read_jsonl(Path(f"{out_path}.states.jsonl"))] if Path(f"{out_path}.states.jsonl").exists() else []
+    report = {"states": len(states), "states_with_classes": sum("classes" in s for s in states), "credit_accuracy": {},
+              "class_pairs": {}}
+    for name in [*critic_dirs, "untrained"]:
+        report["credit_accuracy"][name], report["class_pairs"][name] = credit_accuracy(states, name)
+    if report["states_with_classes"]:
+        Path(f"{out_path}.credit.json").write_text(json.dumps(report, indent=2))
+        print("turn-credit accuracy (pairs of candidates with different true classes): " +
+              ", ".join(f"{k} {v:.3f}" if v is not None else f"{k} -" for k, v in report["credit_accuracy"].items()),
+              file=sys.stderr)
+    return report
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ Deviations from the paper / released code:
 """
 from __future__ import annotations
 
+import random
 import re
 import sys
 from collections import deque
@@ -81,6 +82,10 @@ class Args:
     """html: headless browsers rendering pages for the human"""
     batch_size: int = 32
     """dialogues generated together (hf/vllm) or in flight (openai)"""
+    oracle_hasty: float = 0.0
+    """oracle backend: share of dialogues that answer before every fact is known, guessing the rest"""
+    oracle_detour: float = 0.0
+    """oracle backend: chance that a question asks about something the hidden facts never cover"""
     seed: int = 0
     """seed for sampling (offset by shard index)"""
     shard: str = ""
@@ -97,24 +102,63 @@ def oracle_question(fact):
     return f"Can you tell me the details: {masked}?"
 
 
+# Questions a hasty agent asks that the hidden facts never cover (the scripted human: "I don't know").
+DETOURS = ["Should the code print anything?", "Do you want comments in it?", "Which Python version do you run?",
+           "Should I add type hints?", "Do you want a docstring?"]
+CONSTANT = re.compile(r"'[^']*'|\b\d+\b")
+
+
+def guess_answer(task, known, rng):
+    """The ground truth with every constant the agent has not heard replaced by a guess: what an agent
+    that answers before asking writes. Constants are the numbers and quoted strings of the facts."""
+    facts = [l.strip() for l in task["hidden_information"].splitlines() if l.strip()]
+    heard = {c for f in facts if f in known for c in CONSTANT.findall(f)}
+    code = task["ground_truth"].strip()
+    for c in sorted({c for f in facts if f not in known for c in CONSTANT.findall(f)} - heard, key=len, reverse=True):
+        if c.startswith("'"):  # a string: replace it inside the code's string literals
+            s = c[1:-1]
+            g = rng.choice([w for w in (["yes", "no", "Hello", "high", "low"] if s.strip(" .!?:)<3").isalpha() or not s
+                                        else ["!", ".", "?"]) if w != s])
+            code = re.sub(r"'[^']*'", lambda m: m.group(0).replace(s, g) if s else m.group(0), code)
+        else:
+            g = rng.choice([n for n in (1, 2, 5, 10, 20, 50, 100) if str(n) != c])
+            code = re.sub(rf"\b{c}\b", str(g), code)
+    return code
+
+
 class OracleAgent:
-    """Asks for each hidden fact in turn, then answers with the ground truth (html: answers at once)."""
+    """A scripted agent (html: answers at once with the target page). Code: asks for the first hidden
+    fact not yet revealed, and answers with the ground truth once every fact is known. With
+    --oracle_hasty p, a dialogue instead stops asking (with probability p) after a random number of
+    revealed facts, fewer than all, and answers with the ground truth whose unheard constants are
+    guessed (guess_answer); with --oracle_detour q, each question is (with probability q) one the
+    hidden facts never cover. Draws are seeded by (seed, task, sample, turn): reruns are identical."""
 
     def __init__(self, model, args):
         self.args, self.tok = args, common.load_tokenizer(model)
 
+    def rng(self, ep, *extra):
+        return random.Random(f"{self.args.seed}/{ep['task']['task_id']}/{ep['sample']}/{'/'.join(map(str, extra))}")
+
     def generate(self, prompts, episodes):
-        outs = []
+        outs, a = [], self.args
         for ep in episodes:
+            task = ep["task"]
             if ep["task_type"] == "html":
-                outs.append(f"{common.ANSWER_MARKER}\n{ep['task']['ground_truth'].strip()}")
+                outs.append(f"{common.ANSWER_MARKER}\n{task['ground_truth'].strip()}")
                 continue
-            facts = [l for l in ep["task"]["hidden_information"].splitlines() if l.strip()]
-            asked = sum(m["role"] == "assistant" for m in ep["dialogue"])
-            if asked < min(len(facts), self.args.max_turns - 1):
-                outs.append(oracle_question(facts[asked]))
+            facts = [l.strip() for l in task["hidden_information"].splitlines() if l.strip()]
+            known = common.revealed_facts(task, ep["dialogue"])
+            turn = sum(m["role"] == "assistant" for m in ep["dialogue"])
+            plan = self.rng(ep)
+            stop_after = plan.randrange(len(facts)) if plan.random() < a.oracle_hasty else len(facts)
+            if len(known) >= min(stop_after, len(facts)) or turn >= a.max_turns - 1:
+                code = task["ground_truth"].strip() if len(known) == len(facts) else guess_answer(task, known, plan)
+                outs.append(f"{common.ANSWER_MARKER}\n{code}")
+            elif self.rng(ep, turn).random() < a.oracle_detour:
+                outs.append(self.rng(ep, turn, "q").choice(DETOURS))
             else:
-                outs.append(f"{common.ANSWER_MARKER}\n{ep['task']['ground_truth'].strip()}")
+                outs.append(oracle_question(next(f for f in facts if f not in known)))
         return outs
 
 

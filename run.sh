@@ -19,11 +19,13 @@ RUN=${RUN:-runs/$([ "${SMALL:-0}" = 1 ] && echo small || echo default)}
 MODEL=${MODEL:-embedded}              # starting policy (HF path or id)
 WARMUP=${WARMUP:-$([ "$MODEL" = embedded ] && echo 1 || echo 0)}  # oracle-dialogue SFT before RL (README)
 N_WARMUP=${N_WARMUP:-120}             # warm-up tasks (oracle dialogues)
-WARMUP_FAMILIES=${WARMUP_FAMILIES:-threshold,fee,convert}  # the warm-up sees only these code families
+WARMUP_FAMILIES=${WARMUP_FAMILIES:-}  # code families of the warm-up tasks (empty: all, like train and test)
+ORACLE_HASTY=${ORACLE_HASTY:-0.7}     # warm-up: share of oracle dialogues that answer before every fact is known (README)
+ORACLE_DETOUR=${ORACLE_DETOUR:-0.2}   # warm-up: chance that an oracle question asks about nothing the human knows
 N_TRAIN=${N_TRAIN:-60}                # RL train tasks
-N_TEST=${N_TEST:-100}                 # test tasks
+N_TEST=${N_TEST:-200}                 # test tasks
 SAMPLES=${SAMPLES:-4}                 # rollouts per train task
-ORACLE_SAMPLES=${ORACLE_SAMPLES:-$WARMUP}  # extra oracle dialogues per train task (off-policy successes; README)
+ORACLE_SAMPLES=${ORACLE_SAMPLES:-0}  # extra complete-oracle dialogues per train task (off-policy successes)
 CANDIDATES=${CANDIDATES:-8}           # label_turns: candidates per state
 PAIRS_PER_STATE=${PAIRS_PER_STATE:-2}
 DATA_FRACTION=${DATA_FRACTION:-0.1}   # label_turns: share of train trajectories labelled (released: 0.1)
@@ -35,6 +37,7 @@ LR_WARMUP=${LR_WARMUP:-1e-4}
 LR_CRITIC=${LR_CRITIC:-1e-5}
 LR_DPO=${LR_DPO:-2e-6}
 CRITIC_EPOCHS=${CRITIC_EPOCHS:-1}
+CREDIT_VARIANTS=${CREDIT_VARIANTS:-$([ "${TASK_TYPE:-code}" = code ] && echo 1 || echo 0)}  # also train the critic ablations, for turn-credit accuracy
 BATCH_SIZE=${BATCH_SIZE:-32}          # rollout dialogues per batch
 NPROC=${NPROC:-1}                     # processes per training stage (torchrun + FSDP2 when > 1)
 SEED=${SEED:-0}
@@ -43,6 +46,11 @@ BASELINES=${BASELINES:-0}
 TASK_TYPE=${TASK_TYPE:-code}         # code | html
 CLIP_MODEL=${CLIP_MODEL:-}            # html: a local CLIP model; empty = the named non-CLIP fallback
 
+KNOWN="SMALL RUN MODEL WARMUP N_WARMUP WARMUP_FAMILIES ORACLE_HASTY ORACLE_DETOUR N_TRAIN N_TEST SAMPLES ORACLE_SAMPLES
+  CANDIDATES PAIRS_PER_STATE DATA_FRACTION TEMPERATURE TRAIN_TEMPERATURE MAX_TURNS MAX_NEW_TOKENS LR_WARMUP LR_CRITIC LR_DPO
+  CRITIC_EPOCHS CREDIT_VARIANTS BATCH_SIZE NPROC SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL SETUP PY"
+echo "run.sh: run directory $RUN"
+for v in $KNOWN; do printf '  %s=%s\n' "$v" "${!v-}"; done
 [ "${SETUP:-1}" = 1 ] && bash setup.sh
 PY=${PY:-.venv/bin/python}
 mkdir -p "$RUN"
@@ -87,13 +95,14 @@ gen() { "$PY" generate_tasks.py --task_type "$TASK_TYPE" "$@"; }
 POLICY=$MODEL
 if [ "$WARMUP" = 1 ]; then
   log "protocol warm-up: SFT on oracle dialogues (the starting policy of every method below)"
-  fam=(); [ "$TASK_TYPE" = code ] && fam=(--families "$WARMUP_FAMILIES")
+  fam=(); [ "$TASK_TYPE" = code ] && [ -n "$WARMUP_FAMILIES" ] && fam=(--families "$WARMUP_FAMILIES")
   [ -f "$RUN/warmup_tasks.jsonl" ] || gen --num_tasks "$N_WARMUP" --seed $((SEED + 3)) "${fam[@]}" \
     --exclude "$RUN/test_tasks.jsonl" --output "$RUN/warmup_tasks.jsonl"
-  rollout "$MODEL" "$RUN/warmup_tasks.jsonl" "$RUN/warmup_oracle.jsonl" --agent_backend oracle
+  rollout "$MODEL" "$RUN/warmup_tasks.jsonl" "$RUN/warmup_oracle.jsonl" --agent_backend oracle \
+    --oracle_hasty "$ORACLE_HASTY" --oracle_detour "$ORACLE_DETOUR"
   evaluate "$RUN/warmup_oracle.jsonl" warmup_oracle
-  have "$RUN/policy_warm" || train train_dpo.py --mode sft --trajectories "$RUN/warmup_oracle_graded.jsonl" --model "$MODEL" \
-    --output_dir "$RUN/policy_warm" --lr "$LR_WARMUP" --batch_size 8 --task_type "$TASK_TYPE"
+  have "$RUN/policy_warm" || train train_dpo.py --mode sft --sft_on all --trajectories "$RUN/warmup_oracle_graded.jsonl" \
+    --model "$MODEL" --output_dir "$RUN/policy_warm" --lr "$LR_WARMUP" --batch_size 8 --task_type "$TASK_TYPE"
   POLICY=$RUN/policy_warm
 fi
 
@@ -106,11 +115,21 @@ fi
 evaluate "$RUN/train_rollouts.jsonl" train --k "$SAMPLES"
 
 log "SWEET-RL: critic -> turn labels -> turn-level DPO"
-have "$RUN/critic" || train train_critic.py --trajectories "$RUN/train_graded.jsonl" --model "$POLICY" --output_dir "$RUN/critic" \
-  --lr "$LR_CRITIC" --epochs "$CRITIC_EPOCHS" --task_type "$TASK_TYPE" --seed "$SEED"
+critic() {  # critic DIR [variant flags]
+  local dir=$1; shift
+  have "$dir" || train train_critic.py --trajectories "$RUN/train_graded.jsonl" --model "$POLICY" --output_dir "$dir" \
+    --lr "$LR_CRITIC" --epochs "$CRITIC_EPOCHS" --task_type "$TASK_TYPE" --seed "$SEED" "$@"
+}
+critic "$RUN/critic"  # the SWEET critic: sees c, sum of per-turn mean log-ratios (paper)
+variants=()
+if [ "$CREDIT_VARIANTS" = 1 ]; then  # ablations, trained on the same pairs, scored on the same candidates (README)
+  critic "$RUN/critic_trajectory_mean" --normalization trajectory
+  critic "$RUN/critic_no_training_info" --no_training_info
+  variants=(--credit_critics "trajectory_mean=$RUN/critic_trajectory_mean,no_training_info=$RUN/critic_no_training_info")
+fi
 "$PY" label_turns.py --trajectories "$RUN/train_graded.jsonl" --critic "$RUN/critic" --output "$RUN/pairs.jsonl" \
   --num_candidates "$CANDIDATES" --pairs_per_state "$PAIRS_PER_STATE" --data_fraction "$DATA_FRACTION" \
-  --temperature 1.0 --max_new_tokens "$MAX_NEW_TOKENS" --seed "$SEED"
+  --temperature 1.0 --max_new_tokens "$MAX_NEW_TOKENS" --max_turns "$MAX_TURNS" --seed "$SEED" "${variants[@]}"
 have "$RUN/policy_sweet" || train train_dpo.py --mode turn --pairs "$RUN/pairs.jsonl" --model "$POLICY" \
   --output_dir "$RUN/policy_sweet" --lr "$LR_DPO" --seed "$SEED"
 
@@ -133,6 +152,14 @@ for m in $METHODS; do
 done
 
 log "results ($RUN)"
+if [ "$TASK_TYPE" = code ]; then
+  runs=() pols=()
+  for m in $METHODS; do runs+=("${m%%:*}=$RUN/test_${m%%:*}_graded.jsonl"); pols+=("${m%%:*}=${m#*:}"); done
+  credit=(); [ -f "$RUN/pairs.jsonl.credit.json" ] && credit=(--credit "$RUN/pairs.jsonl.credit.json")
+  "$PY" evaluate.py --compare "$(IFS=,; echo "${runs[*]}")" --policies "$(IFS=,; echo "${pols[*]}")" "${credit[@]}" \
+    --summary "$RUN/results.json" | tee "$RUN/results.txt"
+  exit 0
+fi
 "$PY" - "$RUN" $METHODS <<'EOF' | tee "$RUN/results.txt"
 import json, sys
 run, methods = sys.argv[1], [m.split(":")[0] for m in sys.argv[2:]]

@@ -53,39 +53,6 @@ class Args:
     """hf backend: longest reply"""
 
 
-STOPWORDS = set("""a an the is are was were be been to of in on for and or but with at by from as it its this that
-these those what which who whom whose how when where why do does did can could would should will shall may might must
-i you he she we they me my your our their us them please tell know need want like about any some there here if then
-so just also more most very much many than too not no yes okay ok thanks thank function python code write give
-let have has had get make use value values one""".split())
-
-
-def words(text):
-    """Lower-case content words; identifiers split at '_'; a plural 's' dropped."""
-    out = set()
-    for w in re.findall(r"[A-Za-z]+|\d+", text.replace("_", " ")):
-        w = w.lower()
-        if w in STOPWORDS or len(w) < 2 and not w.isdigit():
-            continue
-        out.add(w[:-1] if len(w) > 3 and w.endswith("s") else w)
-    return out
-
-
-def scripted_reply(hidden, question, max_lines=2):
-    """At most two hidden lines relevant to the question, else "I don't know"."""
-    q = words(question)
-    scored = []
-    for i, line in enumerate(l for l in hidden.splitlines() if l.strip()):
-        overlap = len(q & words(line))
-        if overlap:
-            scored.append((-overlap, i, line.strip()))
-    if not scored:
-        return "I don't know, sorry."
-    best = sorted(sorted(scored)[:max_lines], key=lambda s: s[1])  # the best lines, in original order
-    is_code = hidden.lstrip().startswith(("def ", "import ", "from ", "class "))
-    return ("\n" if is_code else " ").join(line for _, _, line in best)
-
-
 def scripted_task_writer(prompt):
     """Stand-in for an LLM asked for a task as JSON: a procedural task seeded by the prompt."""
     from generate_tasks import procedural_task
@@ -181,7 +148,7 @@ class ScriptedBackend:
             last = " ".join(p.get("text", "") for p in last if isinstance(p, dict))
         hidden = common.parse_hidden_information(system)
         if hidden is not None:
-            return scripted_reply(hidden, last)
+            return common.scripted_reply(hidden, last)
         if '"test_cases"' in last and "ground_truth" in last:
             return scripted_task_writer(last)
         return "I don't know, sorry."

@@ -81,15 +81,21 @@ def training_info(task, no_training_info=False):
 
 
 # ================================ CRITIC SCORE AND LOSS ========================================
-# A critic variant (a value head, another normalisation, an LLM judge...) is an edit of this block.
-def trajectory_score(critic, seqs, ref_sum, ref_count, n_turns, beta, normalization):
-    """Score of one trajectory from the critic's per-turn log-probs and pi_ref's (same inputs)."""
-    logp_sum, count = common.turn_logprobs(critic, seqs, n_turns)  # [n_turns] each
-    ref_sum = torch.tensor(ref_sum, device=logp_sum.device)
+# A critic variant (another normalisation, a value head, an LLM judge...) is an edit of this block:
+# label_turns.py ranks candidate turns with turn_advantage, so training and labelling stay in step.
+# Inputs are per-turn sums of agent-token log-probs under the critic and under pi_ref (both given
+# c + o_t), and each turn's token count, as common.turn_logprobs returns them: [n_turns] each.
+def turn_advantage(logp_sum, ref_sum, count, beta):
+    """A(o_t, a_t, c) = beta * mean over a_t's tokens of [log pi_critic - log pi_ref]: [n_turns]."""
+    return beta * (logp_sum - ref_sum) / count.clamp(min=1)
+
+
+def trajectory_score(logp_sum, ref_sum, count, beta, normalization="turn"):
+    """Score of one trajectory: the sum of its turn advantages (paper), or one mean over all its agent
+    tokens (released code). Turns with no tokens left after truncation add 0."""
     if normalization == "turn":
-        advantage = beta * (logp_sum - ref_sum) / count.clamp(min=1)  # A(o_t, a_t, c): [n_turns]
-        return advantage.sum()  # sum_t A_t (turns with no tokens left after truncation add 0)
-    return beta * (logp_sum.sum() - ref_sum.sum()) / count.sum().clamp(min=1)  # released: one mean over all tokens
+        return turn_advantage(logp_sum, ref_sum, count, beta).sum()  # sum_t A(o_t, a_t, c)
+    return beta * (logp_sum.sum() - ref_sum.sum()) / count.sum().clamp(min=1)
 
 
 def critic_loss(score_chosen, score_rejected):
@@ -140,17 +146,19 @@ def main(args):
         t["ref_sum"], t["ref_count"] = s, c
 
     def score(m, t):
-        return trajectory_score(m, t["seqs"], t["ref_sum"], t["ref_count"], len(t["turns"]), args.beta, args.normalization)
+        logp_sum, count = common.turn_logprobs(m, t["seqs"], len(t["turns"]))  # [n_turns] each
+        ref_sum = torch.tensor(t["ref_sum"], device=logp_sum.device)
+        return trajectory_score(logp_sum, ref_sum, count, args.beta, args.normalization)
 
     def loss_fn(m, local, global_n):
         loss, metrics, n_fwd = torch.zeros((), device=device), {"n": len(local), "tokens": 0}, 0
         for chosen, rejected in local:
             s_c, s_r = score(m, chosen), score(m, rejected)
-            l = critic_loss(s_c, s_r)
-            loss = loss + l / global_n
+            pair_loss = critic_loss(s_c, s_r)
+            loss = loss + pair_loss / global_n
             n_fwd += len(chosen["seqs"]) + len(rejected["seqs"])
             metrics["tokens"] += sum(len(s[0]) for s in chosen["seqs"] + rejected["seqs"])
-            for k, v in {"loss": l.item(), "acc": float(s_c > s_r), "margin": (s_c - s_r).item()}.items():
+            for k, v in {"loss": pair_loss.item(), "acc": float(s_c > s_r), "margin": (s_c - s_r).item()}.items():
                 metrics[k] = metrics.get(k, 0) + v
         return loss, n_fwd, metrics
 

@@ -68,6 +68,8 @@ class Args:
     """save the training state (model + optimizer) every N steps to OUTPUT_DIR/resume (0 = never)"""
     resume: bool = False
     """continue from OUTPUT_DIR/resume (same --batch_size, --seed, --epochs) instead of starting over"""
+    sft_on: str = "success"
+    """sft mode: success (rejection fine-tuning: successful dialogues only) | all (every dialogue: the embedded warm-up)"""
     seed: int = 0
     """data order"""
 
@@ -98,7 +100,8 @@ def build_examples(args):
             if r["task_id"] not in best or r["reward"] > best[r["task_id"]]["reward"]:
                 best[r["task_id"]] = r
         return [{"chosen": common.agent_turns(r)} for r in best.values()]
-    return [{"chosen": common.agent_turns(r)} for r in graded if r.get("success", r["reward"] >= 1.0)]
+    keep = lambda r: args.sft_on == "all" or r.get("success", r["reward"] >= 1.0)
+    return [{"chosen": common.agent_turns(r)} for r in graded if keep(r)]
 
 
 def main(args):
@@ -108,6 +111,7 @@ def main(args):
                   args.mode == "turn" and args.trajectories and "--trajectories is for --mode trajectory/sft; turn uses --pairs",
                   args.mode != "turn" and args.pairs and "--pairs is for --mode turn",
                   args.task_type not in ("code", "html") and f"--task_type {args.task_type}: choose code or html",
+                  args.sft_on not in ("success", "all") and f"--sft_on {args.sft_on}: choose success or all",
                   args.beta <= 0 and "--beta must be positive", args.lr <= 0 and "--lr must be positive",
                   args.nll_coef < 0 and "--nll_coef must be >= 0", args.epochs < 1 and "--epochs must be at least 1",
                   args.batch_size < 1 and "--batch_size must be at least 1", args.save_every < 0 and "--save_every must be >= 0",

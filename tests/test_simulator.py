@@ -29,10 +29,10 @@ def test_models_and_scripted_answers(simulator_url):
 
 def test_scripted_reply_at_most_two_lines_and_code_lines():
     hidden = "a b c\nscore rule one\nscore rule two\nscore rule three"
-    assert simulator.scripted_reply(hidden, "what is the score rule?").count("score rule") == 2
+    assert common.scripted_reply(hidden, "what is the score rule?").count("score rule") == 2
     code = "def f(price, qty):\n    discount = 0.15\n    return price * qty * (1 - discount)"
-    assert simulator.scripted_reply(code, "Is there a discount?") == "discount = 0.15\nreturn price * qty * (1 - discount)"
-    assert simulator.scripted_reply(code, "What about the weather?") == "I don't know, sorry."
+    assert common.scripted_reply(code, "Is there a discount?") == "discount = 0.15\nreturn price * qty * (1 - discount)"
+    assert common.scripted_reply(code, "What about the weather?") == "I don't know, sorry."
 
 
 def test_bad_requests_get_400_and_unknown_routes_404(simulator_url):

@@ -84,10 +84,9 @@ def test_critic_score_and_loss_by_hand(tok_model):
         seqs = common.tokenize_turns(tok, turns, train_critic.training_info(TASK))
         with torch.no_grad():
             s, n = common.turn_logprobs(model, seqs, len(turns))
-        ref = (s - torch.tensor([0.3, 0.7][:len(turns)])).tolist()  # a made-up pi_ref, 0.3 / 0.7 nats lower per turn
-        with torch.no_grad():
-            for norm in ("turn", "trajectory"):
-                scores[name, norm] = train_critic.trajectory_score(model, seqs, ref, None, len(turns), 0.1, norm).item()
+        ref = s - torch.tensor([0.3, 0.7][:len(turns)])  # a made-up pi_ref, 0.3 / 0.7 nats lower per turn
+        for norm in ("turn", "trajectory"):
+            scores[name, norm] = train_critic.trajectory_score(s, ref, n, 0.1, norm).item()
         # documented values: turn = beta * sum_t (delta_t / n_t); trajectory = beta * sum_t delta_t / sum_t n_t
         deltas = [0.3, 0.7][:len(turns)]
         assert scores[name, "turn"] == pytest.approx(0.1 * sum(d / k for d, k in zip(deltas, n.tolist())), abs=1e-6)
@@ -97,18 +96,40 @@ def test_critic_score_and_loss_by_hand(tok_model):
 
 
 def test_only_agent_tokens_count(tok_model):
-    """Changing what the user says changes the context, not which tokens are scored; a different c
-    prefix leaves the advantage of identical critic and reference at exactly zero."""
+    """Changing what the user says, or c, changes the context, not which tokens are scored."""
     tok, model = tok_model
     a = make_traj(tok, TASK, ["Q1?", "I WANT TO ANSWER: x"], ["short"], 1.0)
     b = make_traj(tok, TASK, ["Q1?", "I WANT TO ANSWER: x"], ["a much longer reply from the user here"], 1.0)
-    sa, sb = (common.tokenize_turns(tok, common.agent_turns(t), "prefix") for t in (a, b))
+    sa, sb, sc = (common.tokenize_turns(tok, common.agent_turns(t), p) for t, p in ((a, "prefix"), (b, "prefix"),
+                                                                                     (a, "other c " * 20)))
     agent = lambda s: [i for i, k in zip(*s[0]) if k >= 0]
-    assert agent(sa) == agent(sb)
-    seqs = common.tokenize_turns(tok, common.agent_turns(a), "other c " * 20)
+    assert agent(sa) == agent(sb) == agent(sc) and len(agent(sa)) > 0
+    assert len(sc[0][0]) > len(sa[0][0])  # the longer c is context only
+
+
+def test_label_turns_advantage_equals_critic_score(tok_model, tiny_model, tmp_path):
+    """label_turns ranks a candidate turn by exactly train_critic's score of that turn as a one-turn
+    trajectory (same c, same beta), for both normalisations; the critic differs from pi_ref here."""
+    tok, ref = tok_model
+    critic = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="eager").eval()
     with torch.no_grad():
-        s, n = common.turn_logprobs(model, seqs, 2)
-        assert train_critic.trajectory_score(model, seqs, s.tolist(), None, 2, 0.1, "turn").item() == pytest.approx(0, abs=1e-6)
+        for p in critic.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    prompt = common.render_prompt(tok, common.agent_messages(TASK, [{"role": "user", "content": TASK["problem_description"]}]))
+    cands = ["What is the factor?", "I WANT TO ANSWER: def f(x): return x * 2", "ok"]
+    prefix = train_critic.training_info(TASK)
+    p_ids, c_ids = label_turns.encode_state(tok, prefix, prompt, cands, 4096)
+    with torch.no_grad():
+        crit_sum, count = label_turns.score_candidates(critic, p_ids, c_ids)
+        ref_sum, _ = label_turns.score_candidates(ref, p_ids, c_ids)
+        labelled = train_critic.turn_advantage(crit_sum, ref_sum, count, beta=0.3)
+        for c, adv in zip(cands, labelled.tolist()):
+            seqs = common.tokenize_turns(tok, [(prompt, c)], prefix)
+            s, n = common.turn_logprobs(critic, seqs, 1)
+            r, _ = common.turn_logprobs(ref, seqs, 1)
+            for norm in ("turn", "trajectory"):
+                assert adv == pytest.approx(train_critic.trajectory_score(s, r, n, 0.3, norm).item(), abs=1e-5)
+    assert max(map(abs, labelled.tolist())) > 1e-3  # a real difference, not two zeros
 
 
 def test_prefix_reuse_scoring_equals_naive(tok_model):
@@ -118,10 +139,10 @@ def test_prefix_reuse_scoring_equals_naive(tok_model):
     prefix = train_critic.training_info(TASK)
     p_ids, c_ids = label_turns.encode_state(tok, prefix, prompt, cands, 4096)
     with torch.no_grad():
-        fast = label_turns.score_candidates(model, p_ids, c_ids)
-        for c, f in zip(cands, fast):
+        fast, counts = label_turns.score_candidates(model, p_ids, c_ids)
+        for c, f, k in zip(cands, fast, counts):
             s, n = common.turn_logprobs(model, common.tokenize_turns(tok, [(prompt, c)], prefix), 1)
-            assert f.item() == pytest.approx((s / n).item(), abs=1e-4)
+            assert f.item() == pytest.approx(s.item(), abs=1e-4) and k.item() == n.item()
 
 
 def test_pairs_come_from_opposite_halves():
@@ -195,12 +216,12 @@ def test_label_turns_then_dpo_modes(tiny_model, tmp_path):
         assert TASK["ground_truth"] not in p["prompt"]  # the policy's prompt never holds c
     run_script("label_turns.py", *args)  # resume: nothing redone
     assert read_jsonl(tmp_path / "pairs.jsonl") == pairs
-    if pairs:
-        run_script("train_dpo.py", "--pairs", tmp_path / "pairs.jsonl", "--model", tiny_model, "--output_dir",
-                   tmp_path / "sweet", "--lr", "1e-3")
-        log = read_jsonl(tmp_path / "sweet" / "log.jsonl")
-        assert {"rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "nll"} <= set(log[0])
-        assert log[0]["rewards/margins"] == pytest.approx(0, abs=1e-5)  # policy == pi_ref before the first step
+    assert pairs  # random candidates of 8 tokens differ, and so do their advantages
+    run_script("train_dpo.py", "--pairs", tmp_path / "pairs.jsonl", "--model", tiny_model, "--output_dir",
+               tmp_path / "sweet", "--lr", "1e-3")
+    log = read_jsonl(tmp_path / "sweet" / "log.jsonl")
+    assert {"rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "nll"} <= set(log[0])
+    assert log[0]["rewards/margins"] == pytest.approx(0, abs=1e-5)  # policy == pi_ref before the first step
     for mode in ("trajectory", "sft"):
         run_script("train_dpo.py", "--mode", mode, "--trajectories", tmp_path / "g.jsonl", "--model", tiny_model,
                    "--output_dir", tmp_path / mode, "--lr", "1e-3", "--epochs", "2", "--batch_size", "2")
@@ -209,13 +230,17 @@ def test_label_turns_then_dpo_modes(tiny_model, tmp_path):
         AutoModelForCausalLM.from_pretrained(tmp_path / mode)
 
 
-def test_nll_term_is_mean_chosen_nll(tok_model):
+def test_nll_term_is_mean_chosen_nll(tok_model, tiny_model, tmp_path):
+    """train_dpo's logged nll at step 1 (weights still pi_ref) is the mean per-token NLL of the chosen
+    turns, computed here by hand with one forward per turn."""
     tok, model = tok_model
-    seqs = common.tokenize_turns(tok, [("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "yes")])
+    traj = make_traj(tok, TASK, ["Which factor?", "I WANT TO ANSWER: def f(x): return x*2"], ["Double it."], 1.0)
+    (tmp_path / "g.jsonl").write_text(json.dumps(traj) + "\n")
+    run_script("train_dpo.py", "--mode", "sft", "--trajectories", tmp_path / "g.jsonl", "--model", tiny_model,
+               "--output_dir", tmp_path / "sft", "--lr", "1e-3", "--batch_size", "1")
+    turns = common.agent_turns(traj)
+    n_tokens = sum(len(tok(out, add_special_tokens=False)["input_ids"]) + 1 for _, out in turns)  # + end-of-turn
     with torch.no_grad():
-        s, n = common.turn_logprobs(model, seqs, 1)
-    ids = seqs[0][0]
-    logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1], -1)
-    k = int(n.item())
-    manual = -sum(logp[len(ids) - 1 - k + j, ids[len(ids) - k + j]].item() for j in range(int(k))) / k
-    assert (-s / n).item() == pytest.approx(manual, rel=1e-5)
+        manual = -sum(naive_turn_logprobs(model, tok, turns)) / n_tokens
+    log = read_jsonl(tmp_path / "sft" / "log.jsonl")
+    assert log[0]["nll"] == pytest.approx(manual, rel=1e-4) and log[0]["loss"] == pytest.approx(manual, rel=1e-4)

@@ -1,0 +1,122 @@
+"""Ground-truth turn credit (procedural tasks + the scripted human), the hasty oracle of the warm-up,
+turn-credit accuracy, trajectory pairing rules, and the results' bootstrap intervals."""
+import json
+import random
+import types
+
+import pytest
+
+import common
+import evaluate
+import generate_tasks
+import label_turns
+import rollout
+from conftest import run_script
+
+
+def task(family, seed=0):
+    t = generate_tasks.procedural_task(random.Random(seed), family)
+    t["task_id"] = common.task_id(t)
+    return t
+
+
+def test_turn_classes_follow_the_rules():
+    t = task("fee")
+    start = [{"role": "user", "content": t["problem_description"]}]
+    facts = t["hidden_information"].splitlines()
+    question = rollout.oracle_question(facts[0])
+    assert common.turn_class(t, start, question) == "good"  # reveals a fact not yet known
+    assert common.turn_class(t, start, "Should the code print anything?") == "bad"  # reveals nothing
+    after = start + [{"role": "assistant", "content": question},
+                     {"role": "user", "content": common.scripted_reply(t["hidden_information"], question)}]
+    assert common.revealed_facts(t, after) == set(facts)  # this human says both lines at once
+    assert common.turn_class(t, after, question) == "bad"  # asking again reveals nothing new
+    assert common.turn_class(t, after, f"{common.ANSWER_MARKER}\n{t['ground_truth']}") == "good"
+    wrong = t["ground_truth"].replace("return ", "return 1 + ")
+    assert common.turn_class(t, after, f"{common.ANSWER_MARKER}\n{wrong}") == "bad"
+    # at the last allowed turn, whatever the agent writes is its answer
+    assert common.turn_class(t, after, t["ground_truth"], last_turn=True) == "good"
+    assert common.turn_class(t, after, question, last_turn=True) == "bad"
+
+
+def oracle(hasty, detour, seed=0):
+    return rollout.OracleAgent.__new__(rollout.OracleAgent), types.SimpleNamespace(
+        seed=seed, oracle_hasty=hasty, oracle_detour=detour, max_turns=10)
+
+
+def play(agent, t, sample):
+    """One oracle dialogue against the scripted human (in process); returns (dialogue, success)."""
+    ep = {"task": t, "sample": sample, "task_type": "code", "dialogue": [{"role": "user", "content": t["problem_description"]}]}
+    while True:
+        out = agent.generate([None], [ep])[0]
+        ep["dialogue"].append({"role": "assistant", "content": out})
+        if common.ANSWER_MARKER in out:
+            return ep["dialogue"], common.grade_code(t, common.extract_answer(out))["success"]
+        ep["dialogue"].append({"role": "user", "content": common.scripted_reply(t["hidden_information"], out)})
+
+
+def test_hasty_oracle_mix_is_seeded_and_guesses_fail():
+    tasks = [task(f, s) for f in sorted(generate_tasks.FAMILIES) for s in range(8)]
+    results = {}
+    for hasty, detour in ((0.0, 0.0), (1.0, 0.0), (0.5, 0.5)):
+        agent, agent.args = oracle(hasty, detour)
+        results[hasty, detour] = [play(agent, t, 0) for t in tasks]
+    assert all(ok for _, ok in results[0.0, 0.0])  # the complete oracle always succeeds
+    # always hasty: each dialogue stops asking after fewer facts than there are; where the answer came
+    # before every fact was revealed, the guessed constants fail (except where the unheard fact holds
+    # no constant, e.g. aggregate's "Return their total.")
+    early = [ok for (d, ok), t in zip(results[1.0, 0.0], tasks)
+             if common.revealed_facts(t, d) != set(t["hidden_information"].splitlines()) and t["family"] != "aggregate"]
+    assert len(early) >= 20 and sum(early) <= 0.1 * len(early)
+    mixed = results[0.5, 0.5]
+    assert 0.2 < sum(ok for _, ok in mixed) / len(mixed) < 0.9
+    detours = sum(m["content"] in rollout.DETOURS for d, _ in mixed for m in d)
+    assert detours > 0
+    agent, agent.args = oracle(0.5, 0.5)  # same seed, same dialogues
+    assert [play(agent, t, 0) for t in tasks] == mixed
+
+
+def test_credit_accuracy_counts_ties_half():
+    states = [{"classes": ["good", "bad", "bad"], "advantages_by_critic": {"a": [1.0, 0.0, 2.0], "u": [0.0, 0.0, 0.0]}},
+              {"classes": ["good", "good"], "advantages_by_critic": {"a": [0.0, 1.0], "u": [0.0, 0.0]}},  # no mixed pair
+              {"classes": ["bad", "good"], "advantages_by_critic": {"a": [0.0, 0.5], "u": [0.0, 0.0]}},
+              {"candidates": ["x"]}]  # a state without classes (not a procedural task)
+    assert label_turns.credit_accuracy(states, "a") == (pytest.approx(2 / 3), 3)
+    assert label_turns.credit_accuracy(states, "u") == (0.5, 3)
+    assert label_turns.credit_accuracy(states, "missing") == (None, 0)
+
+
+def test_trajectory_pairs_rules():
+    row = lambda t, s, r: {"task_id": t, "sample": s, "reward": r, "success": r == 1.0}
+    rows = [row("a", 0, 1.0), row("a", 1, 0.5), row("a", 2, 1.0), row("a", 3, 0.0),  # best succeeds: pairs with lower ones
+            row("b", 0, 0.9), row("b", 1, 0.1),  # best does not succeed: no pair (code)
+            row("c", 0, 1.0)]  # a single sample: no pair
+    pairs = common.trajectory_pairs(rows, "code")
+    assert [(c["task_id"], c["sample"], r["sample"]) for c, r in pairs] == [("a", 0, 1), ("a", 0, 3)]  # ties never pair
+    html = common.trajectory_pairs([row("h", 0, 0.8), row("h", 1, 0.75), row("h", 2, 0.6), row("h", 3, 0.2)], "html")
+    assert [(c["sample"], r["sample"]) for c, r in html] == [(0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]  # gap >= 0.1, not 0.05
+
+
+def test_compare_reports_bootstrap_and_paired_intervals(tmp_path):
+    t = task("fee")
+    def graded(name, successes):
+        path = tmp_path / f"{name}.jsonl"
+        rows = [{"task": t, "task_id": f"t{i}", "sample": 0, "dialogue_history": [], "answer": "", "reward": float(s),
+                 "success": bool(s)} for i, s in enumerate(successes)]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return path
+    base = [1, 0] * 20
+    better = [1, 1] * 20
+    a, b = graded("a", base), graded("b", better)
+    run_script("evaluate.py", "--compare", f"zero_shot={a},sweet_rl={b}", "--policies", "zero_shot=p0,sweet_rl=p1",
+               "--summary", tmp_path / "r.json", "--bootstrap", "2000")
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["num_test_tasks"] == 40
+    z, s = res["methods"]["zero_shot"], res["methods"]["sweet_rl"]
+    assert z["success"] == 0.5 and s["success"] == 1.0 and s["policy"] == "p1"
+    assert z["ci95"][0] < 0.5 < z["ci95"][1] and 0.3 < z["ci95"][0] and z["ci95"][1] < 0.7
+    assert s["ci95"] == [1.0, 1.0]
+    d = res["paired_vs_zero_shot"]["sweet_rl"]
+    assert d["diff"] == 0.5 and 0.3 < d["ci95"][0] < 0.5 < d["ci95"][1] < 0.7
+    lo, hi = evaluate.bootstrap_ci([0.0] * 10 + [1.0] * 10, 4000)  # +-1.96 * sqrt(.25 / 20) = +-0.22
+    assert lo == pytest.approx(0.28, abs=0.05) and hi == pytest.approx(0.72, abs=0.05)

@@ -909,9 +909,14 @@ def parse_args(cls, doc=None, argv=None):
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(cls):
         required = f.default is dataclasses.MISSING
-        h = helps.get(f.name, "") + ("" if required else f" (default: {f.default})")
-        if f.type in (bool, "bool"):
-            p.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=f.default, help=h)
+        h = helps.get(f.name, "").replace("%", "%%")  # argparse formats help with %
+        if not required and "default" not in h and not isinstance(f.default, bool):
+            h += f" (default: {f.default if f.default != '' else 'none'})"
+        if f.type in (bool, "bool"):  # a flag: --name sets it (True by default: --no_name clears it)
+            if f.default:
+                p.add_argument(f"--no_{f.name}", dest=f.name, action="store_false", help=h)
+            else:
+                p.add_argument(f"--{f.name}", action="store_true", help=h)
         else:
             kind = {"int": int, "float": float, "str": str}.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
             p.add_argument(f"--{f.name}", type=kind, required=required, default=None if required else f.default, help=h)
@@ -1082,8 +1087,10 @@ def init_distributed():
     return rank, world, device
 
 
-def load_model(name, device, grad_ckpt=False, dtype=None):
-    """A causal LM for training: bf16 on GPU, fp32 on CPU; flash-attention 2 when installed, else SDPA."""
+def load_model(name, device, grad_ckpt=False, dtype=None, train_layers=0):
+    """A causal LM for training: bf16 on GPU, fp32 on CPU; flash-attention 2 when installed, else SDPA.
+    train_layers > 0 freezes all but the top train_layers decoder layers and the final norm, so the
+    backward pass stops early (the embedded CPU run's deviation; 0 trains everything)."""
     import importlib.util
     import torch
     from transformers import AutoModelForCausalLM
@@ -1093,6 +1100,10 @@ def load_model(name, device, grad_ckpt=False, dtype=None):
     if grad_ckpt:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
+    if train_layers:
+        model.requires_grad_(False)
+        for m in [*model.model.layers[-train_layers:], model.model.norm]:
+            m.requires_grad_(True)
     return model
 
 

@@ -59,7 +59,7 @@ class Args:
     """html: headless browsers rendering in parallel"""
     compare: str = ""
     """instead of grading: NAME=GRADED,... graded runs on the same tasks (the first is the baseline); writes
-    success with 95%% bootstrap intervals and paired differences to the first to --summary"""
+    success with 95% bootstrap intervals and paired differences to the first to --summary"""
     policies: str = ""
     """with --compare: NAME=DIR,... the checkpoint each run used (recorded in the results)"""
     credit: str = ""

@@ -1,4 +1,4 @@
-"""Make ColBench task files (the public JSONL format, one task per line).
+r"""Make ColBench task files (the public JSONL format, one task per line).
 
 Reads: nothing (procedural), a ColBench JSONL / `datasets` directory (file), or seed texts (llm).
 Writes: JSONL with problem_description, hidden_information, ground_truth, test_cases (+ task_id);

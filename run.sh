@@ -27,18 +27,20 @@ N_TEST=${N_TEST:-200}                 # test tasks
 SAMPLES=${SAMPLES:-4}                 # rollouts per train task
 ORACLE_SAMPLES=${ORACLE_SAMPLES:-0}  # extra complete-oracle dialogues per train task (off-policy successes)
 CANDIDATES=${CANDIDATES:-8}           # label_turns: candidates per state
-PAIRS_PER_STATE=${PAIRS_PER_STATE:-2}
-DATA_FRACTION=${DATA_FRACTION:-0.1}   # label_turns: share of train trajectories labelled (released: 0.1)
+PAIRS_PER_STATE=${PAIRS_PER_STATE:-4}  # released: 4
+DATA_FRACTION=${DATA_FRACTION:-0.2}   # label_turns: share of train trajectories labelled (released: 0.1)
 TEMPERATURE=${TEMPERATURE:-0.7}       # test rollouts' sampling temperature
 TRAIN_TEMPERATURE=${TRAIN_TEMPERATURE:-1.0}  # train rollouts: more varied samples give the critic pairs
+TOP_P=${TOP_P:-1.0}                   # nucleus sampling of every rollout (1.0: the policy's own distribution)
 MAX_TURNS=${MAX_TURNS:-10}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-$([ "${TASK_TYPE:-code}" = html ] && echo 640 || echo 96)}  # a page needs ~350 tokens
 LR_WARMUP=${LR_WARMUP:-1e-4}
 LR_CRITIC=${LR_CRITIC:-1e-5}
-LR_DPO=${LR_DPO:-2e-6}
+LR_DPO=${LR_DPO:-1e-5}
+TRAIN_LAYERS=${TRAIN_LAYERS:-$([ "$MODEL" = embedded ] && echo 10 || echo 0)}  # critic/DPO train only the top N layers (0 = all; README)
 CRITIC_EPOCHS=${CRITIC_EPOCHS:-1}
 CREDIT_VARIANTS=${CREDIT_VARIANTS:-$([ "${TASK_TYPE:-code}" = code ] && echo 1 || echo 0)}  # also train the critic ablations, for turn-credit accuracy
-BATCH_SIZE=${BATCH_SIZE:-32}          # rollout dialogues per batch
+BATCH_SIZE=${BATCH_SIZE:-64}          # rollout dialogues per batch
 NPROC=${NPROC:-1}                     # processes per training stage (torchrun + FSDP2 when > 1)
 SEED=${SEED:-0}
 SIMULATOR_URL=${SIMULATOR_URL:-}      # empty: start the embedded scripted human
@@ -47,8 +49,8 @@ TASK_TYPE=${TASK_TYPE:-code}         # code | html
 CLIP_MODEL=${CLIP_MODEL:-}            # html: a local CLIP model; empty = the named non-CLIP fallback
 
 KNOWN="SMALL RUN MODEL WARMUP N_WARMUP WARMUP_FAMILIES ORACLE_HASTY ORACLE_DETOUR N_TRAIN N_TEST SAMPLES ORACLE_SAMPLES
-  CANDIDATES PAIRS_PER_STATE DATA_FRACTION TEMPERATURE TRAIN_TEMPERATURE MAX_TURNS MAX_NEW_TOKENS LR_WARMUP LR_CRITIC LR_DPO
-  CRITIC_EPOCHS CREDIT_VARIANTS BATCH_SIZE NPROC SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL SETUP PY"
+  CANDIDATES PAIRS_PER_STATE DATA_FRACTION TEMPERATURE TRAIN_TEMPERATURE TOP_P MAX_TURNS MAX_NEW_TOKENS LR_WARMUP LR_CRITIC LR_DPO
+  CRITIC_EPOCHS CREDIT_VARIANTS TRAIN_LAYERS BATCH_SIZE NPROC SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL SETUP PY"
 echo "run.sh: run directory $RUN"
 for v in $KNOWN; do printf '  %s=%s\n' "$v" "${!v-}"; done
 [ "${SETUP:-1}" = 1 ] && bash setup.sh
@@ -77,7 +79,7 @@ log "simulated human at $SIMULATOR_URL"
 rollout() {  # rollout POLICY TASKS OUT [extra args, which win]
   local policy=$1 tasks=$2 out=$3; shift 3
   "$PY" rollout.py --tasks "$tasks" --output "$out" --agent_model "$policy" --simulator_url "$SIMULATOR_URL" \
-    --temperature "$TEMPERATURE" --max_turns "$MAX_TURNS" --max_new_tokens "$MAX_NEW_TOKENS" --batch_size "$BATCH_SIZE" \
+    --temperature "$TEMPERATURE" --top_p "$TOP_P" --max_turns "$MAX_TURNS" --max_new_tokens "$MAX_NEW_TOKENS" --batch_size "$BATCH_SIZE" \
     --seed "$SEED" --task_type "$TASK_TYPE" "$@"
 }
 evaluate() {  # evaluate IN NAME [extra]
@@ -118,7 +120,7 @@ log "SWEET-RL: critic -> turn labels -> turn-level DPO"
 critic() {  # critic DIR [variant flags]
   local dir=$1; shift
   have "$dir" || train train_critic.py --trajectories "$RUN/train_graded.jsonl" --model "$POLICY" --output_dir "$dir" \
-    --lr "$LR_CRITIC" --epochs "$CRITIC_EPOCHS" --task_type "$TASK_TYPE" --seed "$SEED" "$@"
+    --lr "$LR_CRITIC" --epochs "$CRITIC_EPOCHS" --task_type "$TASK_TYPE" --seed "$SEED" --train_layers "$TRAIN_LAYERS" "$@"
 }
 critic "$RUN/critic"  # the SWEET critic: sees c, sum of per-turn mean log-ratios (paper)
 variants=()
@@ -131,15 +133,15 @@ fi
   --num_candidates "$CANDIDATES" --pairs_per_state "$PAIRS_PER_STATE" --data_fraction "$DATA_FRACTION" \
   --temperature 1.0 --max_new_tokens "$MAX_NEW_TOKENS" --max_turns "$MAX_TURNS" --seed "$SEED" "${variants[@]}"
 have "$RUN/policy_sweet" || train train_dpo.py --mode turn --pairs "$RUN/pairs.jsonl" --model "$POLICY" \
-  --output_dir "$RUN/policy_sweet" --lr "$LR_DPO" --seed "$SEED"
+  --output_dir "$RUN/policy_sweet" --lr "$LR_DPO" --seed "$SEED" --train_layers "$TRAIN_LAYERS"
 
 METHODS="zero_shot:$POLICY sweet_rl:$RUN/policy_sweet"
 if [ "$BASELINES" = 1 ]; then
   log "baselines: multi-turn DPO and rejection fine-tuning"
   have "$RUN/policy_mtdpo" || train train_dpo.py --mode trajectory --trajectories "$RUN/train_graded.jsonl" --model "$POLICY" \
-    --output_dir "$RUN/policy_mtdpo" --lr "$LR_DPO" --task_type "$TASK_TYPE" --seed "$SEED"
+    --output_dir "$RUN/policy_mtdpo" --lr "$LR_DPO" --task_type "$TASK_TYPE" --seed "$SEED" --train_layers "$TRAIN_LAYERS"
   have "$RUN/policy_rft" || train train_dpo.py --mode sft --trajectories "$RUN/train_graded.jsonl" --model "$POLICY" \
-    --output_dir "$RUN/policy_rft" --lr "$LR_DPO" --seed "$SEED" --task_type "$TASK_TYPE"
+    --output_dir "$RUN/policy_rft" --lr "$LR_DPO" --seed "$SEED" --task_type "$TASK_TYPE" --train_layers "$TRAIN_LAYERS"
   METHODS="$METHODS multi_turn_dpo:$RUN/policy_mtdpo rejection_ft:$RUN/policy_rft"
 fi
 

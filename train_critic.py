@@ -63,6 +63,8 @@ class Args:
     """ablation: the critic does not see the ground truth"""
     heldout_fraction: float = 0.1
     """share of tasks whose pairs are held out for evaluation"""
+    train_layers: int = 0
+    """train only the top N decoder layers (+ final norm; 0 = all): a cheaper backward on CPU"""
     grad_ckpt: bool = False
     """activation checkpointing"""
     save_every: int = 50
@@ -136,7 +138,7 @@ def main(args):
         print(f"{len(pairs)} pairs from {len(task_ids)} tasks: {len(train_pairs)} train, {len(held_pairs)} held out",
               flush=True)
 
-    critic = common.shard_model(common.load_model(args.model, device, args.grad_ckpt), world, device)
+    critic = common.shard_model(common.load_model(args.model, device, args.grad_ckpt, train_layers=args.train_layers), world, device)
     # pi_ref = the starting critic weights: its per-turn log-probs once, before any update
     tlist = list(trajs.values())
     def ref_fn(m, t):

@@ -62,6 +62,8 @@ class Args:
     """pairs (or trajectories) per optimizer step, over all ranks"""
     max_len: int = 16384
     """longest token sequence; longer ones keep their last max_len tokens"""
+    train_layers: int = 0
+    """train only the top N decoder layers (+ final norm; 0 = all): a cheaper backward on CPU"""
     grad_ckpt: bool = False
     """activation checkpointing (less memory, ~30% slower)"""
     save_every: int = 50
@@ -129,7 +131,7 @@ def main(args):
         for side in ("chosen", "rejected"):
             if side in ex:
                 ex[side + "_seqs"] = common.tokenize_turns(tok, ex[side], max_len=args.max_len)
-    model = common.shard_model(common.load_model(args.model, device, args.grad_ckpt), world, device)
+    model = common.shard_model(common.load_model(args.model, device, args.grad_ckpt, train_layers=args.train_layers), world, device)
 
     def summed_logp(m, seqs, n_turns):
         total, count = common.turn_logprobs(m, seqs, n_turns)

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 
@@ -15,10 +17,23 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
     p = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     table = (tmp_path / "run" / "results.txt").read_text()
+    res = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert res["num_test_tasks"] == 2
     for method in ("zero_shot", "sweet_rl", "multi_turn_dpo", "rejection_ft"):
         assert method in table
         s = json.loads((tmp_path / "run" / f"test_{method}_summary.json").read_text())
         assert s["num_trajectories"] == 2
+        m = res["methods"][method]
+        assert m["success"] == s["success_rate"] and m["ci95"][0] <= m["success"] <= m["ci95"][1]
+        assert m["tests_passed"] == pytest.approx(s["tests_passed"]) and (ROOT / m["policy"]).exists() or \
+            os.path.exists(m["policy"])
+        if method != "zero_shot":
+            d = res["paired_vs_zero_shot"][method]
+            assert d["ci95"][0] <= d["diff"] <= d["ci95"][1]
+    # the three critics (SWEET, trajectory mean, no training info) and the untrained reference were scored
+    assert set(res["credit_accuracy"]) == {"sweet", "trajectory_mean", "no_training_info", "untrained"}
+    assert res["credit_accuracy"]["untrained"] in (None, 0.5)
+    assert "run directory" in p.stdout and "N_TEST=2" in p.stdout  # the settings in use are printed
     train = json.loads((tmp_path / "run" / "train_summary.json").read_text())
     assert train["num_trajectories"] == 6 and train["success_rate"] >= 0.5  # the oracle's half succeeds
     # a rerun finds everything done and redoes nothing

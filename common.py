@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import random
 import re
@@ -21,6 +20,9 @@ import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from render import extract_html, image_to_data_url  # noqa: E402 (frontend helpers used by prompts)
+from sandbox import grade_code  # the ground-truth turn class grades answers
+
 ANSWER_MARKER = "I WANT TO ANSWER:"
 HUMAN_MAX_CHARS = {"code": 400, "html": 1000}  # PAPER.md §1: the human's reply is cut to this length
 CACHE_DIR = Path(os.environ.get("SWEETRL_CACHE", Path.home() / ".cache" / "sweetrl"))
@@ -29,6 +31,11 @@ CACHE_DIR = Path(os.environ.get("SWEETRL_CACHE", Path.home() / ".cache" / "sweet
 # ----------------------------------------------------------------------------------------------
 # JSONL I/O: every stage reads and writes one JSON object per line. Errors name file and line.
 # ----------------------------------------------------------------------------------------------
+class ServerError(ConnectionError):
+    """A server (simulated human, agent) that cannot be reached or answers wrongly: one line saying
+    what was tried and what to do, never a traceback."""
+
+
 class DataError(ValueError):
     """Bad input data; the message names the file and line to fix."""
 
@@ -51,7 +58,7 @@ def read_jsonl(path, tolerate_partial_last_line=False):
         except json.JSONDecodeError as e:
             if tolerate_partial_last_line and i == len(lines):  # no newline after it: cut off
                 break
-            raise DataError(f"{path}:{i}: not valid JSON ({e.msg} at column {e.colno})") from None
+            raise DataError(f"{path}:{i}: not valid JSON ({e.msg}; column {e.colno})") from None
         if not isinstance(obj, dict):
             raise DataError(f"{path}:{i}: expected a JSON object, got {type(obj).__name__}")
         rows.append((i, obj))
@@ -67,6 +74,33 @@ def write_jsonl(path, rows):
         for r in rows:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
     os.replace(tmp, path)
+
+
+def write_text(path, text):
+    """Write a text file atomically (temp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def check_writable(*paths):
+    """Before any work: each output path (file, or directory when it ends with '/') can be written.
+    Raises DataError naming the path, so no finished work is lost to a bad --output at the end."""
+    for p in paths:
+        if not p:
+            continue
+        d = Path(p) if str(p).endswith("/") else Path(p).parent
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            probe = d / f".write-test-{os.getpid()}"
+            probe.write_text("")
+            probe.unlink()
+            if Path(p).is_dir() and not str(p).endswith("/"):
+                raise OSError("it is a directory")
+        except OSError as e:
+            raise DataError(f"{p}: cannot write there ({e.strerror or e}); choose another path") from None
 
 
 class ResumableWriter:
@@ -192,429 +226,6 @@ def load_tasks(path, task_type="code"):
 
 
 # ----------------------------------------------------------------------------------------------
-# Sandboxed unit-test grader (backend programming).
-# Every untrusted program (model answers AND ground truths) runs in a child process, never here:
-# bubblewrap with new pid/net/ipc/uts namespaces, a filesystem that holds only the interpreter and
-# system libraries (read-only) and a private 64 MB /tmp, a clean environment, resource limits, a
-# pids cgroup, and an unprivileged uid of its own per concurrent worker. Inside, a trusted runner
-# builds each test's arguments before the untrusted code is loaded, drops privileges, runs the
-# calls and encodes each result by exact type; this process decodes them into plain built-in data
-# and compares, so an answer's own __eq__ never decides.
-#
-# Verdict per test: pass | wrong | exception | timeout | crash | unencodable | infrastructure.
-# ----------------------------------------------------------------------------------------------
-_RUNNER = r"""
-def main():
-    import ast, builtins, json, math, os, resource, sys
-    job = json.loads(sys.stdin.read())
-    # 1. Every test's arguments, built before any untrusted code exists in this process; each test
-    #    gets its own objects, so an answer that mutates its arguments can't reach another test.
-    calls = []
-    for name, c in job["calls"]:
-        try:
-            node = ast.parse(c, mode="eval").body
-            assert type(node) is ast.Call and type(node.func) is ast.Name
-            args = [ast.literal_eval(a) for a in node.args]
-            kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
-            assert None not in kwargs
-            calls.append((name, node.func.id, args, kwargs, c))
-        except Exception:
-            calls.append((name, None, None, None, c))  # not literal: evaluated after the code loads
-    # 2. The encoder and the writer, bound now to the builtins as they are (the code may patch them).
-    typ, esc, frepr, irepr, hexb, dict_items, isfinite = (type, json.encoder.encode_basestring_ascii,
-        float.__repr__, int.__repr__, bytes.hex, dict.items, math.isfinite)
-    NoneT, Bool, Int, Float, Str, Complex, Bytes = type(None), bool, int, float, str, complex, bytes
-    List, Tuple, Set, FSet, Dict = list, tuple, set, frozenset, dict
-    seqs = {List: "list", Tuple: "tuple", Set: "set", FSet: "frozenset"}
-    write, fd, BaseExc, exit_now = os.write, job["fd"], BaseException, os._exit
-    class Unencodable(Exception):
-        pass
-    def enc(x, budget, depth):
-        budget[0] -= 1
-        if budget[0] < 0 or depth > 50:
-            raise Unencodable("too large" if budget[0] < 0 else "too deep")
-        t = typ(x)
-        if t is NoneT or t is Bool:
-            return '["v",' + ("null" if x is None else "true" if x else "false") + "]"
-        if t is Str:
-            budget[1] -= len(x)
-            if budget[1] < 0:
-                raise Unencodable("too large")
-            return '["v",' + esc(x) + "]"
-        if t is Int:
-            return ('["v",' + irepr(x) + "]") if -2**63 < x < 2**63 else ('["int","' + irepr(x) + '"]')
-        if t is Float:
-            return ('["v",' + frepr(x) + "]") if isfinite(x) else ('["float","' + frepr(x) + '"]')
-        if t is Complex:
-            return '["complex",["' + frepr(x.real) + '","' + frepr(x.imag) + '"]]'
-        if t is Bytes:
-            budget[1] -= 2 * len(x)
-            if budget[1] < 0:
-                raise Unencodable("too large")
-            return '["bytes","' + hexb(x) + '"]'
-        if t in seqs:
-            return '["' + seqs[t] + '",[' + ",".join([enc(v, budget, depth + 1) for v in x]) + "]]"
-        if t is Dict:
-            return '["dict",[' + ",".join(["[" + enc(k, budget, depth + 1) + "," + enc(v, budget, depth + 1) + "]"
-                                          for k, v in dict_items(x)]) + "]]"
-        raise Unencodable("unsupported type")
-    def emit(name, status, payload):
-        data = ("[" + esc(name) + ',"' + status + '",' + payload + "]\n").encode()
-        while data:
-            data = data[write(fd, data):]
-    def reason(e):
-        try:
-            return esc(str(typ(e).__name__)[:100])
-        except BaseExc:
-            return '"?"'
-    # 3. Drop to this worker's unprivileged uid: no capabilities, and its own process limit.
-    uid = job["uid"]
-    if uid and os.getuid() == 0:
-        os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)
-        resource.setrlimit(resource.RLIMIT_NPROC, (job["nproc"], job["nproc"]))
-    sys.setrecursionlimit(3000)
-    # 4. Load the untrusted code and run each call.
-    g = {"__name__": "__colbench__", "__builtins__": builtins}
-    loc = {} if job["released"] else g  # released quirk: code exec'd in a function's locals
-    err = None
-    try:
-        exec(job["code"], g, loc)
-    except BaseExc as e:
-        err = reason(e)
-    for name, fn, args, kwargs, c in calls:
-        if err is not None:
-            emit(name, "exception", err)
-            continue
-        try:
-            if fn is None:
-                value = eval(c, g, loc)
-            else:
-                f = loc[fn] if fn in loc else g[fn] if fn in g else getattr(builtins, fn)
-                value = f(*args, **kwargs)
-        except BaseExc as e:
-            emit(name, "exception", reason(e))
-            continue
-        try:
-            payload = enc(value, [100000, 1 << 20], 0)
-        except BaseExc as e:
-            emit(name, "unencodable", esc(str(e)[:100]) if typ(e) is Unencodable else reason(e))
-            continue
-        emit(name, "ok", payload)
-    emit("__done__", "ok", "null")
-    exit_now(0)
-main()
-"""
-
-_SANDBOX_ENV = {"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0", "TZ": "UTC", "LANG": "C.UTF-8", "HOME": "/tmp"}
-SANDBOX_PYTHON = os.path.realpath(sys.executable)  # the real interpreter: the child needs no venv (-S)
-SANDBOX_MAX_PROCS = 64
-SANDBOX_TMP_BYTES = 64 << 20
-_sandbox = None  # (command prefix, drops uid, private tmp) decided once per process
-
-
-def _bwrap_args():
-    """A filesystem with only /usr, the interpreter's prefix (read-only) and a private /tmp."""
-    a = ["--perms", "1777", "--size", str(SANDBOX_TMP_BYTES), "--tmpfs", "/tmp", "--ro-bind", "/usr", "/usr",
-         "--proc", "/proc", "--dev", "/dev"]
-    for d in ("bin", "lib", "lib64", "sbin"):
-        p = Path("/" + d)
-        if p.is_symlink():
-            a += ["--symlink", os.readlink(p), str(p)]
-        elif p.is_dir():
-            a += ["--ro-bind", str(p), str(p)]
-    prefix = Path(os.path.realpath(sys.base_prefix))
-    if not any(prefix.is_relative_to(d) for d in ("/usr", "/bin", "/lib", "/lib64")):
-        for parent in reversed(prefix.parents[:-1]):  # traversable parents (the host's /root is 0700)
-            if parent != Path("/tmp"):
-                a += ["--perms", "0755", "--dir", str(parent)]
-        a += ["--ro-bind", str(prefix), str(prefix)]
-    return a + ["--die-with-parent", "--new-session", "--chdir", "/tmp"]
-
-
-def _choose_sandbox():
-    """The strongest isolation this machine offers, with a warning naming what is missing."""
-    root, bwrap = os.geteuid() == 0, shutil.which("bwrap")
-    if bwrap and root:  # privileged bwrap; the runner drops to a per-worker uid
-        return [bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-                *_bwrap_args()], True, True
-    if bwrap:  # unprivileged bwrap (user namespaces): the code runs under the caller's own uid
-        cmd = [bwrap, "--unshare-all", *_bwrap_args()]
-        if subprocess.run([*cmd, SANDBOX_PYTHON, "-I", "-S", "-c", "pass"], capture_output=True).returncode == 0:
-            print("sweetrl sandbox: not root, so sandboxed code runs under your own uid (no per-worker uid, no pids "
-                  "cgroup); namespaces and the filesystem view still apply", file=sys.stderr)
-            return cmd, False, True
-        missing = "bubblewrap cannot create namespaces here (user namespaces disabled)"
-    elif root and shutil.which("unshare"):
-        print("sweetrl sandbox: bubblewrap is missing (apt install bubblewrap), so sandboxed code sees the host's "
-              "files (as an unprivileged uid); pid and network namespaces still apply", file=sys.stderr)
-        return ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--net"], True, False
-    else:
-        missing = "bubblewrap is missing (apt install bubblewrap) and this is not root"
-    print(f"sweetrl sandbox: WARNING {missing}: untrusted code runs only in a separate process with resource "
-          "limits, under your uid, with your files and network reachable", file=sys.stderr)
-    return [], False, False
-
-
-def _limit_resources(cpu_s, mem_bytes, cgroup=None):
-    import resource
-    def apply():
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
-        resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-        if cgroup is not None:  # join the per-run pids cgroup before anything can fork
-            with open(cgroup / "cgroup.procs", "w") as f:
-                f.write(str(os.getpid()))
-    return apply
-
-
-class _UidPool:
-    """One unprivileged uid per concurrent sandbox, unique to this process (so RLIMIT_NPROC counts
-    one worker's processes only, and no sandbox can signal another's)."""
-
-    def __init__(self, size=64):
-        import queue
-        self.q, self.pid = queue.Queue(), os.getpid()
-        self.base = 100_000 + (os.getpid() % 100_000) * size
-        for u in range(self.base, self.base + size):
-            self.q.put(u)
-
-    def __enter__(self):
-        self.uid = self.q.get()
-        return self.uid
-
-    def __exit__(self, *exc):
-        self.q.put(self.uid)
-
-
-_uids = _UidPool()
-_cgroup_count = iter(range(1 << 62))
-
-
-def _new_pids_cgroup():
-    """A fresh pids cgroup capped at SANDBOX_MAX_PROCS, so a fork bomb stops there instead of
-    exhausting the machine's pids. None where we can't make one (not root, no cgroup v1 pids)."""
-    root = Path("/sys/fs/cgroup/pids")
-    if not (root / "cgroup.procs").exists() or not os.access(root, os.W_OK):
-        return None
-    try:
-        base = root / f"sweetrl-{os.getpid()}"
-        if not base.exists():
-            base.mkdir()
-            import atexit
-            atexit.register(lambda: [_remove_cgroup(p) for p in [*base.iterdir(), base] if p.is_dir()])
-        d = base / str(next(_cgroup_count))
-        d.mkdir()
-        (d / "pids.max").write_text(str(SANDBOX_MAX_PROCS))
-        return d
-    except OSError:
-        return None
-
-
-def _remove_cgroup(d):
-    for _ in range(50):  # the killed processes may take a moment to leave
-        try:
-            d.rmdir()
-            return
-        except OSError:
-            time.sleep(0.02)
-
-
-def run_calls(code, calls, timeout=10.0, released=False, mem_mb=1024):
-    """Run `code`, then each (name, call expression), in a sandbox. Returns {name: (status, value)}:
-    ("ok", plain Python data) or (exception | unencodable | timeout | crash | infrastructure, reason).
-    Never raises: an infrastructure failure is a status, so a run always goes on."""
-    global _sandbox, _uids
-    calls = list(calls)
-    try:
-        if _sandbox is None:
-            _sandbox = _choose_sandbox()
-        if _uids.pid != os.getpid():  # a forked worker process gets uids of its own
-            _uids = _UidPool()
-        with _uids as uid:
-            return _run_sandboxed(code, calls, timeout, released, mem_mb, uid)
-    except Exception as e:  # e.g. no pipes or processes left: the run goes on, the test is unjudged
-        return {name: ("infrastructure", f"{type(e).__name__}: {e}") for name, _ in calls}
-
-
-def _run_sandboxed(code, calls, timeout, released, mem_mb, uid):
-    prefix, drops_uid, private_tmp = _sandbox
-    r_fd, w_fd = os.pipe()
-    job = json.dumps({"code": code, "calls": calls, "released": released, "fd": w_fd,
-                      "uid": uid if drops_uid else 0, "nproc": SANDBOX_MAX_PROCS})
-    cgroup = _new_pids_cgroup()
-    tmp = None if private_tmp else tempfile.mkdtemp(prefix="sweetrl-sandbox-")
-    env = dict(_SANDBOX_ENV, **({} if private_tmp else {"TMPDIR": tmp, "HOME": tmp}))
-    limits = _limit_resources(int(timeout) + 1, mem_mb << 20, cgroup)
-    proc = None
-    try:
-        for attempt in range(6):  # EAGAIN when the machine is briefly out of processes: back off and retry
-            try:
-                proc = subprocess.Popen([*prefix, SANDBOX_PYTHON, "-S", "-s", "-c", _RUNNER], stdin=subprocess.PIPE,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(w_fd,),
-                                        preexec_fn=limits, start_new_session=True, env=env, cwd=tmp or "/")
-                break
-            except BlockingIOError:
-                if attempt == 5:
-                    raise
-                time.sleep(0.2 * 2 ** attempt)
-        os.close(w_fd)
-        w_fd = None
-        return _collect(proc, r_fd, job, calls, timeout)
-    finally:
-        for fd in (r_fd, w_fd):
-            if fd is not None:
-                os.close(fd)
-        if proc is not None:
-            try:
-                os.killpg(proc.pid, 9)  # the whole process group, whatever it forked
-            except (ProcessLookupError, PermissionError):
-                pass
-            proc.wait()
-        if cgroup:
-            for pid in (cgroup / "cgroup.procs").read_text().split():  # anything that left the group
-                try:
-                    os.kill(int(pid), 9)
-                except (ProcessLookupError, ValueError):
-                    pass
-            _remove_cgroup(cgroup)
-        if tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _collect(proc, r_fd, job, calls, timeout):
-    """Read the runner's result lines until done, EOF (crash), too much output, or the deadline."""
-    import select
-    try:
-        proc.stdin.write(job.encode())
-        proc.stdin.close()
-    except BrokenPipeError:
-        pass
-    results, buf, total, forked = {}, b"", 0, False
-    max_output = (len(calls) + 1) * (3 << 20)
-    deadline, ended = time.monotonic() + timeout, "timeout"
-    while ended == "timeout":
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([r_fd], [], [], left)[0]:
-            break
-        chunk = os.read(r_fd, 1 << 16)
-        total += len(chunk)
-        if not chunk or total > max_output:
-            ended = "crash"
-            break
-        *lines, buf = (buf + chunk).split(b"\n")
-        for line in lines:
-            try:
-                name, status, payload = json.loads(line)
-            except (ValueError, TypeError):
-                continue
-            if name == "__done__":
-                ended = "done"
-                break
-            if name in results:  # two writers: the code forked and both copies ran the tests
-                forked = True
-            elif status == "ok":
-                results[name] = ("ok", _decode(payload))
-            elif status in ("exception", "unencodable"):
-                results[name] = (status, str(payload))
-    if forked:
-        return {name: ("crash", "forked") for name, _ in calls}
-    for name, _ in calls:
-        results.setdefault(name, ("timeout", f"no result in {timeout:g} s") if ended == "timeout" else
-                           ("crash", "the program ended without a result"))
-    return results
-
-
-class _Opaque:
-    """A decoded value we can't compare (e.g. a set of lists): never equal to anything."""
-    def __eq__(self, other):
-        return False
-    __hash__ = object.__hash__
-
-
-def _decode(node):
-    tag, v = node
-    if tag == "v":
-        return v
-    if tag == "int":
-        return int(v)
-    if tag == "float":
-        return float(v)
-    if tag == "complex":
-        return complex(float(v[0]), float(v[1]))
-    if tag == "bytes":
-        return bytes.fromhex(v)
-    if tag in ("list", "tuple", "set", "frozenset"):
-        items = [_decode(x) for x in v]
-        if tag in ("set", "frozenset"):
-            try:
-                return {"set": set, "frozenset": frozenset}[tag](items)
-            except TypeError:
-                return _Opaque()
-        return items if tag == "list" else tuple(items)
-    if tag == "dict":
-        try:
-            return {_decode(k): _decode(x) for k, x in v}
-        except TypeError:
-            return _Opaque()
-    return _Opaque()
-
-
-# An approximation of the released grader's substring blacklist (it zeroes any answer containing
-# one); used only with --released_semantics, to compare with published numbers.
-RELEASED_BLACKLIST = ("import os", "import sys", "subprocess", "shutil", "exit(", "quit(", "open(",
-                      "input(", "__import__", "eval(", "exec(")
-
-
-def strip_fences(code):
-    """Released semantics: drop markdown code fences around the answer."""
-    code = code.strip()
-    m = re.search(r"```(?:python|py)?\s*\n(.*?)```", code, re.S)
-    if m:
-        return m.group(1)
-    return code.replace("```python", "").replace("```", "")
-
-
-VERDICTS = ("pass", "wrong", "exception", "timeout", "crash", "unencodable", "infrastructure")
-
-
-def grade_code(task, answer, timeout=10.0, released=False, gt_results=None):
-    """Score one answer on a backend task. Returns dict(reward, success, passed, total, timeouts,
-    verdicts={test: verdict}). A test passes when the ground truth's result is not None and equals
-    the answer's; a test whose ground truth itself fails is an `infrastructure` verdict."""
-    calls = list(task["test_cases"].items())
-    if gt_results is None:
-        gt_results = run_calls(task["ground_truth"], calls, timeout, released)
-    answer = strip_fences(answer or "")
-    if released and any(b in answer for b in RELEASED_BLACKLIST):
-        ans_results = {n: ("exception", "blacklisted") for n, _ in calls}
-    else:
-        ans_results = run_calls(answer, calls, timeout, released)
-    verdicts = {}
-    for name, _ in calls:
-        g, a = gt_results[name], ans_results[name]
-        if g[0] != "ok":
-            verdicts[name] = "infrastructure"
-        elif a[0] != "ok":
-            verdicts[name] = a[0]
-        else:
-            verdicts[name] = "pass" if g[1] is not None and _equal(g[1], a[1]) else "wrong"
-    passed = sum(v == "pass" for v in verdicts.values())
-    return {"reward": passed / len(calls), "success": passed == len(calls), "passed": passed,
-            "total": len(calls), "timeouts": sum(v == "timeout" for v in verdicts.values()), "verdicts": verdicts}
-
-
-def _equal(a, b):
-    try:
-        return bool(a == b)  # both are plain builtin data decoded here, so this __eq__ is ours
-    except Exception:
-        return False
-
-
-# ----------------------------------------------------------------------------------------------
 # OpenAI-compatible chat client (the simulated human; also an `openai` agent backend)
 # ----------------------------------------------------------------------------------------------
 class ChatClient:
@@ -627,6 +238,9 @@ class ChatClient:
         import requests
         self.session = requests.Session()
         self.base_url = base_url.rstrip("/")
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ServerError(f"server URL {base_url!r} has no scheme: write it as http://{base_url} (an "
+                              f"OpenAI-compatible server such as `python simulator.py` or `vllm serve`)")
         if not self.base_url.endswith("/v1"):
             self.base_url += "/v1"
         self.timeout, self.retry_time, self.backoff, self.workers = timeout, retry_time, backoff, workers
@@ -655,11 +269,25 @@ class ChatClient:
             time.sleep(wait)
             attempt += 1
         self.down = True
-        raise ConnectionError(f"{self.base_url}{path} failed {attempt + 1} times in {retry_time:g} s ({last}). "
-                              f"Is the server running? Start the embedded one with `python simulator.py`.")
+        raise ServerError(f"{self.base_url}{path} failed {attempt + 1} times in {retry_time:g} s ({last}). "
+                          f"Is the server running? Start the embedded one with `python simulator.py`.")
 
-    def _first_model(self):  # at start-up a wrong URL should fail fast, not after retry_time
-        return self._request("GET", "/models", retry_time=min(self.retry_time, 20.0))["data"][0]["id"]
+    def _first_model(self):
+        """The server's first model. At start-up any wrong URL fails fast (not after retry_time), in one line."""
+        import requests
+        url = f"{self.base_url}/models"
+        try:
+            return self._request("GET", "/models", retry_time=min(self.retry_time, 20.0))["data"][0]["id"]
+        except ServerError as e:
+            raise ServerError(f"tried GET {url}: no answer ({e}). Check the URL (http://HOST:PORT, the server "
+                              f"adds /v1) or start the embedded human with `python simulator.py --port PORT`.") from None
+        except requests.HTTPError as e:
+            raise ServerError(f"tried GET {url}: HTTP {e.response.status_code}. This is not the root of an "
+                              f"OpenAI-compatible server: give http://HOST:PORT or http://HOST:PORT/v1, nothing "
+                              f"after it.") from None
+        except (requests.RequestException, ValueError, KeyError, IndexError, TypeError) as e:
+            raise ServerError(f"tried GET {url}: {type(e).__name__}: {e}. Give the URL of an OpenAI-compatible "
+                              f"server as http://HOST:PORT (e.g. `python simulator.py` or `vllm serve`).") from None
 
     def chat(self, messages, temperature=0.0, max_tokens=256, **extra):
         body = {"model": self.model, "messages": messages, "temperature": temperature,
@@ -936,7 +564,7 @@ def run(main, cls, doc):
     args = parse_args(cls, doc)
     try:
         return main(args)
-    except DataError as e:
+    except (DataError, ServerError) as e:
         sys.exit(f"error: {e}")
 
 
@@ -1108,16 +736,16 @@ def load_model(name, device, grad_ckpt=False, dtype=None, train_layers=0):
 
 
 def shard_model(model, world, device):
-    """FSDP2: fully_shard each decoder layer, then the root. A no-op for one process."""
+    """FSDP2: fully_shard each decoder layer, then the root (plain model for one process). Either way
+    the model counts its forward calls, for lock-step padding (count_forwards)."""
     if world == 1:
-        return model
-    import torch
+        return count_forwards(model)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     mesh = init_device_mesh(device.type, (world,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+    return count_forwards(fully_shard(model, mesh=mesh))
 
 
 def all_reduce(x, op="sum"):
@@ -1172,10 +800,10 @@ def save_checkpoint(model, tokenizer, out_dir, rank, settings=None):
     barrier()
 
 
-RESUME_KEYS = ("batch_size", "seed", "epochs")  # what the data order depends on
+RESUME_KEYS = ("batch_size", "seed", "epochs")  # what the data order depends on: `order` = {key: value}
 
 
-def save_training_state(model, opt, resume_dir, step, args, rank):
+def save_training_state(model, opt, resume_dir, step, order, rank):
     """Model and optimizer state (torch.distributed.checkpoint: each rank writes its own shards) to
     a temp dir, renamed into place when complete: a kill at any moment leaves the previous state."""
     import warnings
@@ -1191,7 +819,7 @@ def save_training_state(model, opt, resume_dir, step, args, rank):
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
     barrier()
     if rank == 0:
-        (tmp / "meta.json").write_text(json.dumps({"step": step, **{k: getattr(args, k) for k in RESUME_KEYS}}))
+        (tmp / "meta.json").write_text(json.dumps({"step": step, **order}))
         if resume_dir.exists():
             os.replace(resume_dir, old)
         os.replace(tmp, resume_dir)
@@ -1199,7 +827,7 @@ def save_training_state(model, opt, resume_dir, step, args, rank):
     barrier()
 
 
-def load_training_state(model, opt, resume_dir, args):
+def load_training_state(model, opt, resume_dir, order):
     """Restore what save_training_state wrote; returns the step to continue after (0: nothing saved)."""
     import warnings
     import torch.distributed.checkpoint as dcp
@@ -1210,7 +838,7 @@ def load_training_state(model, opt, resume_dir, args):
     if not (resume_dir / "meta.json").exists():
         return 0
     meta = json.loads((resume_dir / "meta.json").read_text())
-    clash = [f"--{k} {meta[k]} (this run: {getattr(args, k)})" for k in RESUME_KEYS if meta[k] != getattr(args, k)]
+    clash = [f"--{k} {meta[k]} (this run: {order[k]})" for k in RESUME_KEYS if meta[k] != order[k]]
     if clash:
         raise SystemExit(f"--resume: {resume_dir} was written with {', '.join(clash)}; the data order would differ. "
                          f"Rerun with the same settings, or drop --resume to start over.")
@@ -1223,6 +851,17 @@ def load_training_state(model, opt, resume_dir, args):
     return meta["step"]
 
 
+def count_forwards(model):
+    """Count the model's forward calls (model.forwards), so that lock-step padding under FSDP needs no
+    bookkeeping in the algorithm code. Called once by shard_model."""
+    model.forwards = 0
+
+    def hook(module, args):
+        module.forwards += 1
+    model.register_forward_pre_hook(hook)
+    return model
+
+
 def dummy_forwards(model, n):
     """FSDP needs the same number of forward calls on every rank: pad with zero-weight forwards."""
     import torch
@@ -1233,10 +872,32 @@ def dummy_forwards(model, n):
     return out
 
 
+def lockstep(n_local):
+    """How many micro-batches this step runs on every rank: the most any rank has (FSDP's collectives
+    need every rank to run as many forwards and backwards)."""
+    return int(all_reduce(n_local, "max"))
+
+
+def backward(model, loss, world, last):
+    """One micro-batch's backward, in lock-step with the other ranks: a rank that made fewer forwards
+    (or has no example left, loss=None) pads with zero-weight forwards, so that every rank runs the
+    same collectives. FSDP averages gradients over ranks; the loss is already divided by the global
+    batch size, so it is multiplied by world here. Gradients are reduced only at the last micro-batch."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(last)
+    n_fwd = getattr(model, "forwards", 0)
+    has_grad = loss is not None and loss.requires_grad
+    pad = int(all_reduce(n_fwd + (not has_grad), "max")) - n_fwd if world > 1 else 0
+    if pad or not has_grad:  # zero-weight forwards: ranks stay in lock-step, and a backward exists
+        loss = (loss if has_grad else 0.0) + dummy_forwards(model, max(pad, 1))
+    (loss * world).backward()
+    model.forwards = 0
+
+
 def precompute(model, items, fn, rank, world, desc="reference log-probs"):
-    """fn(model, item) -> (json-able result, forwards it made) for every item, without grad; items
-    are split across ranks in lockstep rounds and the results gathered on every rank (used to
-    compute pi_ref log-probs once, before training)."""
+    """fn(model, item) -> json-able result for every item, without grad; items are split across ranks
+    in lock-step rounds and the results gathered on every rank (used to compute pi_ref log-probs
+    once, before training, and for held-out metrics)."""
     import math
     import torch
     import torch.distributed as dist
@@ -1244,11 +905,12 @@ def precompute(model, items, fn, rank, world, desc="reference log-probs"):
     results = {}
     with torch.no_grad():
         for j in tqdm_if(range(math.ceil(len(items) / world)), rank == 0, desc):
-            n = 0
+            model.forwards = 0
             if j < len(mine):
-                results[mine[j]], n = fn(model, items[mine[j]])
+                results[mine[j]] = fn(model, items[mine[j]])
             if world > 1:
-                dummy_forwards(model, all_reduce(n, "max") - n)
+                dummy_forwards(model, all_reduce(model.forwards, "max") - model.forwards)
+    model.forwards = 0
     if world > 1:
         # FSDP2 leaves the root's parameters unsharded after a forward with no backward: reshard, or
         # an optimizer built next would hold the temporary unsharded tensors and never update them
@@ -1261,69 +923,45 @@ def precompute(model, items, fn, rank, world, desc="reference log-probs"):
     return [results[i] for i in range(len(items))]
 
 
-def train_loop(model, examples, loss_fn, args, rank, world, out_dir):
-    """The loop both training stages share: shuffled global batches of args.batch_size examples, each
-    rank taking batch[rank::world]; loss_fn(model, [example], global_batch_size) returns (loss
-    scaled so that the sum over the batch is the global-batch mean, forwards made, metrics summed
-    over the examples given), and is called once per example, each followed by its backward. AdamW, gradient clipping at 1.0, one line per step to stdout and
-    OUT_DIR/log.jsonl. Every args.save_every steps the training state goes to OUT_DIR/resume; with
-    args.resume the loop continues from it (same data order, weights and optimizer state)."""
-    import torch
-    out_dir = Path(out_dir)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
-    start = load_training_state(model, opt, out_dir / "resume", args) if args.resume else 0
-    history = [r for _, r in read_jsonl(out_dir / "log.jsonl", True)][:start] if start else []
-    if rank == 0:
-        write_jsonl(out_dir / "log.jsonl", history)
-        if start:
-            print(f"resuming after step {start}", flush=True)
-    log = open(out_dir / "log.jsonl", "a") if rank == 0 else None
-    rng = random.Random(args.seed)  # same order on every rank
-    step, total = 0, args.epochs * math.ceil(len(examples) / args.batch_size)
-    for epoch in range(args.epochs):
-        order = list(range(len(examples)))
+def batch_order(n, batch_size, epochs, seed):
+    """Global batches of example indices [(epoch, [i, ...])], shuffled each epoch; the same on every
+    rank, and the same after a restart (it depends only on these arguments)."""
+    rng, out = random.Random(seed), []
+    for epoch in range(epochs):
+        order = list(range(n))
         rng.shuffle(order)
-        for b in range(0, len(order), args.batch_size):
-            if step < start:  # done before the restart
-                step += 1
-                continue
-            batch = [examples[i] for i in order[b:b + args.batch_size]]
-            local, t0, metrics = batch[rank::world], time.time(), {}
-            # one backward per example (gradient accumulation): memory holds one example's graph,
-            # whatever the batch size; every rank runs the same number of forwards and backwards
-            n_micro = int(all_reduce(len(local), "max"))
-            for j in range(n_micro):
-                if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce gradients once per step
-                    model.set_requires_gradient_sync(j == n_micro - 1)
-                loss, n_fwd, m = loss_fn(model, local[j:j + 1], len(batch)) if j < len(local) else (None, 0, {})
-                has_grad = loss is not None and loss.requires_grad
-                pad = int(all_reduce(n_fwd + (not has_grad), "max")) - n_fwd if world > 1 else 0
-                if pad or not has_grad:  # zero-weight forwards: ranks stay in lockstep, and a backward exists
-                    loss = (loss if has_grad else 0.0) + dummy_forwards(model, max(pad, 1))
-                # FSDP averages gradients over ranks; loss_fn scaled by 1/global batch, so undo the 1/world
-                (loss * world).backward()
-                for k, v in m.items():
-                    metrics[k] = metrics.get(k, 0) + v
-            metrics.setdefault("n", 0)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            step += 1
-            m = all_reduce_dict(metrics)
-            n = m.pop("n")
-            line = {"step": step, "epoch": epoch, **{k: v / max(n, 1) for k, v in m.items() if k != "tokens"},
-                    "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
-                    "tokens_per_s": m.get("tokens", 0) / (time.time() - t0)}
-            history.append(line)
-            if rank == 0:
-                print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in line.items()), flush=True)
-                log.write(json.dumps(line) + "\n")
-                log.flush()
-            if args.save_every and step % args.save_every == 0 and step < total:
-                save_training_state(model, opt, out_dir / "resume", step, args, rank)
-    if log:
-        log.close()
-    return history
+        out += [(epoch, order[b:b + batch_size]) for b in range(0, n, batch_size)]
+    return out
+
+
+class TrainingLog:
+    """OUT_DIR/log.jsonl and stdout, one line per step (rank 0 writes). On resume after step `start`
+    the lines of later steps (from the killed run) are dropped."""
+
+    def __init__(self, out_dir, start, rank):
+        self.path, self.rank = Path(out_dir) / "log.jsonl", rank
+        self.history = [r for _, r in read_jsonl(self.path, True)][:start] if start else []
+        if rank == 0:
+            write_jsonl(self.path, self.history)
+            if start:
+                print(f"resuming after step {start}", flush=True)
+
+    def write(self, line):
+        """line: {'step', 'epoch', metric: value, ...}; metrics summed over ranks by the caller."""
+        self.history.append(line)
+        if self.rank == 0:
+            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in line.items()), flush=True)
+            with open(self.path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+
+
+def step_line(step, epoch, sums, grad_norm, seconds, extra=None):
+    """One log line: metrics summed over the batch's examples (and ranks) -> means; tokens -> tokens/s."""
+    n = max(sums.pop("n", 0), 1)
+    tokens = sums.pop("tokens", 0)
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    return {"step": step, "epoch": epoch, **{k: v / n for k, v in sums.items()}, "grad_norm": grad_norm,
+            "tokens_per_s": tokens / seconds, **(extra or {})}
 
 
 def tqdm_if(it, show, desc):
@@ -1396,221 +1034,3 @@ def load_graded(path, task_type=None):
     if not rows:
         raise DataError(f"{path}: no usable trajectories")
     return rows
-
-
-# ----------------------------------------------------------------------------------------------
-# Frontend design: offline rendering (headless Chromium via Selenium), HTML extraction, image
-# similarity (CLIP, or a named non-CLIP fallback).
-# ----------------------------------------------------------------------------------------------
-TAILWIND_VERSION = "2.2.19"
-VIEWPORT = (1280, 800)
-MAX_PAGE_HEIGHT = 4000  # px; taller pages are cut here
-
-
-def tailwind_css():
-    """A local copy of Tailwind 2.2.19 (the npm package's dist/tailwind.min.css), fetched once."""
-    path = CACHE_DIR / f"tailwind-{TAILWIND_VERSION}.min.css"
-    if path.exists():
-        return path
-    if not shutil.which("npm"):
-        raise RuntimeError(f"need {path}: install npm, or copy tailwind.min.css from tailwindcss@{TAILWIND_VERSION} there")
-    import tarfile
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(["npm", "pack", f"tailwindcss@{TAILWIND_VERSION}", "--silent"], cwd=tmp, check=True,
-                       capture_output=True)
-        with tarfile.open(next(Path(tmp).glob("*.tgz"))) as tar:
-            css = tar.extractfile("package/dist/tailwind.min.css").read()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".partial").write_bytes(css)
-    os.replace(path.with_suffix(".partial"), path)
-    return path
-
-
-def extract_html(text):
-    """As released: the first <html>...</html> block, else the first <body>...</body>, else None."""
-    for tag in ("html", "body"):
-        m = re.search(rf"<{tag}\b.*?</{tag}>", text or "", re.S | re.I)
-        if m:
-            return m.group(0)
-    return None
-
-
-_PICSUM = re.compile(r"https?://picsum\.photos/(?:id/\d+/)?(\d+)/(\d+)[^\"'\s)]*")
-
-
-def localize_html(html, asset_dir):
-    """Point Tailwind at the local copy and picsum images at same-size flat placeholders."""
-    css = tailwind_css().as_uri()
-    html = re.sub(r"https?://[^\"']*tailwindcss[^\"']*\.css", css, html)
-    if "tailwind" not in html.lower():  # pages that only use classes still get Tailwind
-        html = f'<link href="{css}" rel="stylesheet">\n' + html
-
-    def placeholder(m):
-        w, h = min(int(m.group(1)), 4000), min(int(m.group(2)), 4000)
-        p = Path(asset_dir) / f"ph_{w}x{h}.png"
-        if not p.exists():
-            from PIL import Image
-            Image.new("RGB", (max(w, 1), max(h, 1)), (190, 190, 190)).save(p)
-        return p.as_uri()
-    return _PICSUM.sub(placeholder, html)
-
-
-class Renderer:
-    """One headless Chromium (Debian's chromium + chromium-driver), reused page after page.
-    render(html) -> (PIL image, ok). A page that fails becomes a blank image (ok=False)."""
-
-    def __init__(self, timeout=20.0, driver_path="/usr/bin/chromedriver", browser_path="/usr/bin/chromium"):
-        os.environ.setdefault("SE_OFFLINE", "true")  # Selenium Manager must never download anything
-        self.timeout, self.driver_path, self.browser_path = timeout, driver_path, browser_path
-        self.tmp = tempfile.TemporaryDirectory(prefix="sweetrl-render-")
-        self.driver, self.failures = None, 0
-
-    def _start(self):
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-        if not Path(self.driver_path).exists():
-            raise RuntimeError(f"{self.driver_path} not found: apt-get install chromium chromium-driver (setup.sh does)")
-        opts = webdriver.ChromeOptions()
-        opts.binary_location = self.browser_path
-        for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                     "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                     "--no-first-run", "--disable-quic", "--hide-scrollbars", "--force-device-scale-factor=1",
-                     f"--user-data-dir={self.tmp.name}/profile", '--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE localhost'):
-            opts.add_argument(flag)
-        self.driver = webdriver.Chrome(service=Service(executable_path=self.driver_path), options=opts)
-        self.driver.set_page_load_timeout(self.timeout)
-        self.driver.set_script_timeout(self.timeout)
-        w, h = VIEWPORT
-        self.driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
-                                    {"width": w, "height": h, "deviceScaleFactor": 1, "mobile": False})
-
-    def render(self, html):
-        import base64
-        import io
-        from PIL import Image
-        try:
-            if self.driver is None:
-                self._start()
-            page = Path(self.tmp.name) / "page.html"
-            page.write_text(localize_html(html or "", self.tmp.name), encoding="utf-8-sig")  # BOM: pages declare no charset
-            self.driver.get(page.as_uri())
-            height = self.driver.execute_script(
-                "return Math.max(document.documentElement.scrollHeight, document.body ? document.body.scrollHeight : 0)")
-            height = int(min(max(height or VIEWPORT[1], VIEWPORT[1]), MAX_PAGE_HEIGHT))
-            shot = self.driver.execute_cdp_cmd("Page.captureScreenshot", {
-                "format": "png", "captureBeyondViewport": True,
-                "clip": {"x": 0, "y": 0, "width": VIEWPORT[0], "height": height, "scale": 1}})
-            return Image.open(io.BytesIO(base64.b64decode(shot["data"]))).convert("RGB"), True
-        except Exception:
-            self.failures += 1
-            self.close()  # a wedged browser is replaced at the next page
-            return Image.new("RGB", VIEWPORT, (255, 255, 255)), False
-
-    def close(self):
-        if self.driver is not None:
-            try:
-                self.driver.quit()
-            except Exception:
-                pass
-            self.driver = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        self.tmp.cleanup()
-
-
-class RenderPool:
-    """`workers` renderers, each used by one thread at a time. render_many keeps input order."""
-
-    def __init__(self, workers=2, timeout=20.0):
-        import queue
-        self.renderers = [Renderer(timeout) for _ in range(workers)]
-        self.free = queue.Queue()
-        for r in self.renderers:
-            self.free.put(r)
-
-    def render(self, html):
-        r = self.free.get()
-        try:
-            return r.render(html)
-        finally:
-            self.free.put(r)
-
-    def render_many(self, htmls):
-        with ThreadPoolExecutor(len(self.renderers)) as pool:
-            return list(pool.map(self.render, htmls))
-
-    @property
-    def failures(self):
-        return sum(r.failures for r in self.renderers)
-
-    def close(self):
-        for r in self.renderers:
-            r.__exit__()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-def image_to_data_url(img, max_height=2000):
-    """PNG data URL for an OpenAI-compatible vision message (tall pages cut to max_height)."""
-    import base64
-    import io
-    if img.height > max_height:
-        img = img.crop((0, 0, img.width, max_height))
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def data_url_to_image(url):
-    import base64
-    import io
-    from PIL import Image
-    return Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")
-
-
-class ImageSimilarity:
-    """Cosine similarity of CLIP image embeddings (transformers CLIPModel) when a CLIP model is
-    available; otherwise a documented non-CLIP fallback, `pixel_hist_v1`, never reported as CLIP:
-    0.5 * (1 - mean |pixel difference| / 255) + 0.5 * colour-histogram intersection, both on
-    224x224 resizes. `metric` names which one produced the numbers."""
-
-    def __init__(self, clip_model=""):
-        self.model = None
-        if clip_model:
-            import torch
-            from transformers import CLIPImageProcessor, CLIPModel
-            self.torch = torch
-            self.model = CLIPModel.from_pretrained(clip_model).eval()
-            self.processor = CLIPImageProcessor.from_pretrained(clip_model)
-            self.metric = f"clip:{clip_model}"
-        else:
-            self.metric = "pixel_hist_v1"
-
-    def embed(self, images):
-        with self.torch.no_grad():
-            px = self.processor(images=images, return_tensors="pt")["pixel_values"]
-            out = self.model.get_image_features(pixel_values=px)
-            feats = out if isinstance(out, self.torch.Tensor) else out.pooler_output
-            return self.torch.nn.functional.normalize(feats.float(), dim=-1)
-
-    def __call__(self, images_a, images_b):
-        if self.model is not None:
-            return (self.embed(images_a) * self.embed(images_b)).sum(-1).tolist()
-        import numpy as np
-        out = []
-        for a, b in zip(images_a, images_b):
-            x = np.asarray(a.convert("RGB").resize((224, 224)), dtype=np.float32)
-            y = np.asarray(b.convert("RGB").resize((224, 224)), dtype=np.float32)
-            pix = 1 - np.abs(x - y).mean() / 255
-            hx = np.histogramdd((x // 32).reshape(-1, 3), bins=(8, 8, 8), range=[(0, 8)] * 3)[0] / (224 * 224)
-            hy = np.histogramdd((y // 32).reshape(-1, 3), bins=(8, 8, 8), range=[(0, 8)] * 3)[0] / (224 * 224)
-            out.append(float(0.5 * pix + 0.5 * np.minimum(hx, hy).sum()))
-        return out

@@ -9,7 +9,7 @@ Reads:  trajectories JSONL in the released schema (only `task`, `dialogue_histor
     python evaluate.py --input runs/test_rollouts.jsonl --output runs/test_graded.jsonl --k 4 --summary runs/test_summary.json
     python evaluate.py ... --released_semantics     # the released grader's quirks, for published numbers
 
-Every ground truth and answer runs in a sandboxed child process (common.run_calls); the ground
+Every ground truth and answer runs in a sandboxed child process (sandbox.run_calls); the ground
 truth once per task. Grading runs in parallel across cores.
 
 Deviations from the released grader (the default):
@@ -17,7 +17,7 @@ Deviations from the released grader (the default):
    (the released grader exec'd inside a function, where they raise NameError).
 2. No substring blacklist: safety comes from the sandbox, not from zeroing answers that mention
    `open(` or `import os`. `--released_semantics` restores both quirks (the blacklist is our
-   approximation of the released one: common.RELEASED_BLACKLIST).
+   approximation of the released one: sandbox.RELEASED_BLACKLIST).
 """
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 import common
+import sandbox
+import render
 
 
 @dataclass
@@ -70,9 +72,9 @@ class Args:
 
 def grade_html(rows, args):
     """reward = similarity of the rendered final answer and the rendered target (its metric named)."""
-    sim = common.ImageSimilarity(args.clip_model)
+    sim = render.ImageSimilarity(args.clip_model)
     tasks = {r["task_id"]: r["task"]["ground_truth"] for r in rows}
-    with common.RenderPool(args.render_workers) as pool:
+    with render.RenderPool(args.render_workers) as pool:
         targets = dict(zip(tasks, tqdm(map(pool.render, tasks.values()), total=len(tasks), desc="target pages")))
         answers = list(tqdm(map(pool.render, [r["answer"] or "" for r in rows]), total=len(rows), desc="answer pages"))
         failures = pool.failures
@@ -122,10 +124,10 @@ def grade_all(rows, args):
     workers = args.workers or 2 * (os.cpu_count() or 1)
     calls = lambda t: list(t["test_cases"].items())
     with ThreadPoolExecutor(workers) as pool:
-        gt = dict(zip(tasks, tqdm(pool.map(lambda t: common.run_calls(t["ground_truth"], calls(t), args.timeout,
+        gt = dict(zip(tasks, tqdm(pool.map(lambda t: sandbox.run_calls(t["ground_truth"], calls(t), args.timeout,
                                                                       args.released_semantics), tasks.values()),
                                   total=len(tasks), desc="ground truths")))
-        grades = list(tqdm(pool.map(lambda r: common.grade_code(r["task"], r["answer"], args.timeout, args.released_semantics,
+        grades = list(tqdm(pool.map(lambda r: sandbox.grade_code(r["task"], r["answer"], args.timeout, args.released_semantics,
                                                                 gt[r["task_id"]]), rows), total=len(rows), desc="answers"))
     for r, g in zip(rows, grades):
         r.update(reward=g["reward"], success=g["success"], tests_passed=g["passed"], tests_total=g["total"],
@@ -174,7 +176,7 @@ def print_table(s, title=""):
     lines += [("mean agent turns", f"{s['mean_turns']:.2f}"), ("answered with marker", f"{100 * s['answered_rate']:.1f}%"),
               ("trajectories with a timed-out test", s["timeouts"]), ("rollout errors", s["errors"])]
     if s.get("verdicts"):
-        lines += [("test verdicts", ", ".join(f"{v} {s['verdicts'][v]}" for v in common.VERDICTS if v in s["verdicts"]))]
+        lines += [("test verdicts", ", ".join(f"{v} {s['verdicts'][v]}" for v in sandbox.VERDICTS if v in s["verdicts"]))]
     print(f"\n{title or 'ColBench'}")
     for name, v in lines:
         print(f"  {name:<44} {v}")
@@ -192,6 +194,7 @@ def bootstrap_ci(values, n_boot=10000, seed=0):
 def compare(args):
     """Each method's success (mean over tasks of the per-task success rate) with a 95% bootstrap interval
     over tasks, and its paired difference to the first method on the same tasks with its own interval."""
+    common.check_writable(args.summary)
     runs = dict(kv.split("=", 1) for kv in args.compare.split(","))
     policies = dict(kv.split("=", 1) for kv in args.policies.split(",") if kv)
     per_task, tests = {}, {}
@@ -231,8 +234,7 @@ def compare(args):
     if res.get("credit_accuracy"):
         print("turn-credit accuracy: " + ", ".join(f"{k} {v:.3f}" for k, v in res["credit_accuracy"].items() if v is not None))
     if args.summary:
-        with open(args.summary, "w") as f:
-            json.dump(res, f, indent=2)
+        common.write_text(args.summary, json.dumps(res, indent=2))
     return res
 
 
@@ -245,6 +247,7 @@ def main(args):
                   args.reference and args.task_type != "html" and "--reference (win rate) applies to --task_type html",
                   args.reference and not os.path.exists(args.reference) and f"--reference {args.reference}: not found",
                   not args.input and "--input is required (or --compare NAME=GRADED,...)")
+    common.check_writable(args.output, args.summary)  # before grading: a bad path loses no work
     rows = load_trajectories(args.input, args.task_type)
     if args.task_type == "html":
         rows, extra = grade_html(rows, args)
@@ -252,6 +255,7 @@ def main(args):
         rows, extra = grade_all(rows, args), {"released_semantics": args.released_semantics}
     if args.output:
         common.write_jsonl(args.output, rows)
+        common.save_run_settings(f"{args.output}.run_settings.json", args)
     s = {**summarize(rows, args.k), **extra}
     if args.task_type == "html":
         s["similarity"], s["win_rate"] = s["tests_passed"], None
@@ -262,9 +266,7 @@ def main(args):
             s["win_rate"] = win_rate(rows, [dict(r, task_id=r.get("task_id") or common.task_id(r["task"])) for r in ref])
     print_table(s, f"ColBench {'frontend' if args.task_type == 'html' else 'backend'}: {args.input}")
     if args.summary:
-        os.makedirs(os.path.dirname(os.path.abspath(args.summary)), exist_ok=True)
-        with open(args.summary, "w") as f:
-            json.dump(s, f, indent=2)
+        common.write_text(args.summary, json.dumps(s, indent=2))
     return s
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import common
+import sandbox
 
 
 @dataclass
@@ -304,7 +305,7 @@ def parse_llm_task(text):
 # ----------------------------------------------------------------------------------------------
 def ground_truth_runs(task):
     """True when the ground truth returns a non-None value on every test (sandboxed)."""
-    res = common.run_calls(task["ground_truth"], list(task["test_cases"].items()))
+    res = sandbox.run_calls(task["ground_truth"], list(task["test_cases"].items()))
     return all(kind == "ok" and value is not None for kind, value in res.values())
 
 
@@ -320,6 +321,7 @@ def keep_runnable(tasks, workers):
 def main(args):
     if args.task_type not in ("code", "html"):
         sys.exit(f"--task_type {args.task_type}: choose code or html")
+    common.check_writable(args.output)
     exclude = {t["task_id"] for t in common.load_tasks(args.exclude, args.task_type)} if args.exclude else set()
     if args.task_type == "html":
         if args.source == "procedural":

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 import common
+import sandbox
 from train_critic import training_info, turn_advantage
 
 
@@ -185,6 +186,8 @@ def main(args):
     states = [(t, i, inp) for t in graded for i, (inp, _) in enumerate(common.agent_turns(t))][shard::num_shards]
 
     out_path = common.sharded_path(args.output, shard, num_shards)
+    common.check_writable(out_path)
+    common.save_run_settings(f"{out_path}.run_settings.json", args)
     key = lambda r: (r["task_id"], r["sample"], r["turn"])
     state_log = common.ResumableWriter(Path(f"{out_path}.states.jsonl"), key)
     # keep only pairs of fully labelled states (a crash between the two writes leaves no half state)
@@ -235,8 +238,8 @@ def label(args, todo, critic_dirs, critic_settings, ref_name, policy_name, rng, 
         task = traj["task"]
         if "family" in task and "test_cases" in task:  # procedural code task: every candidate's true class
             if task["task_id"] not in gt_results:
-                gt_results[task["task_id"]] = common.run_calls(task["ground_truth"], list(task["test_cases"].items()))
-            grade = lambda code: common.grade_code(task, code, gt_results=gt_results[task["task_id"]])["success"]
+                gt_results[task["task_id"]] = sandbox.run_calls(task["ground_truth"], list(task["test_cases"].items()))
+            grade = lambda code: sandbox.grade_code(task, code, gt_results=gt_results[task["task_id"]])["success"]
             before = state_dialogue(traj, turn)
             row["classes"] = [common.turn_class(task, before, c, turn >= args.max_turns - 1, grade) for c in candidates]
             row["advantages_by_critic"] = {**advantages, "untrained": [0.0] * len(candidates)}
@@ -252,7 +255,7 @@ def report_credit(args, out_path, critic_dirs):
     for name in [*critic_dirs, "untrained"]:
         report["credit_accuracy"][name], report["class_pairs"][name] = credit_accuracy(states, name)
     if report["states_with_classes"]:
-        Path(f"{out_path}.credit.json").write_text(json.dumps(report, indent=2))
+        common.write_text(f"{out_path}.credit.json", json.dumps(report, indent=2))
         print("turn-credit accuracy (pairs of candidates with different true classes): " +
               ", ".join(f"{k} {v:.3f}" if v is not None else f"{k} -" for k, v in report["credit_accuracy"].items()),
               file=sys.stderr)

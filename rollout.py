@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 import common
+import render
 
 
 @dataclass
@@ -111,7 +112,7 @@ CONSTANT = re.compile(r"'[^']*'|\b\d+\b")
 def guess_answer(task, known, rng):
     """The ground truth with every constant the agent has not heard replaced by a guess: what an agent
     that answers before asking writes. Constants are the numbers and quoted strings of the facts."""
-    facts = [l.strip() for l in task["hidden_information"].splitlines() if l.strip()]
+    facts = [line.strip() for line in task["hidden_information"].splitlines() if line.strip()]
     heard = {c for f in facts if f in known for c in CONSTANT.findall(f)}
     code = task["ground_truth"].strip()
     for c in sorted({c for f in facts if f not in known for c in CONSTANT.findall(f)} - heard, key=len, reverse=True):
@@ -147,7 +148,7 @@ class OracleAgent:
             if ep["task_type"] == "html":
                 outs.append(f"{common.ANSWER_MARKER}\n{task['ground_truth'].strip()}")
                 continue
-            facts = [l.strip() for l in task["hidden_information"].splitlines() if l.strip()]
+            facts = [line.strip() for line in task["hidden_information"].splitlines() if line.strip()]
             known = common.revealed_facts(task, ep["dialogue"])
             turn = sum(m["role"] == "assistant" for m in ep["dialogue"])
             plan = self.rng(ep)
@@ -188,6 +189,8 @@ def main(args):
     tasks = common.load_tasks(args.tasks, args.task_type)[: args.num_tasks or None]
     jobs = [(t, k) for t in tasks for k in range(args.first_sample, args.first_sample + args.samples)][shard::num_shards]
     out_path = common.sharded_path(args.output, shard, num_shards)
+    common.check_writable(out_path)
+    common.save_run_settings(f"{out_path}.run_settings.json", args)
     writer = common.ResumableWriter(out_path, key=lambda r: (r["task_id"], r["sample"]),
                                     retry=lambda r: r.get("finish") == "error")  # a rerun retries failed dialogues
     todo = deque((t, k) for t, k in jobs if (t["task_id"], k) not in writer.done)
@@ -199,7 +202,7 @@ def main(args):
                               timeout=args.simulator_timeout, retry_time=args.simulator_retry_s)
     agent = AGENTS[args.agent_backend](args.agent_model, args)
     max_chars = common.HUMAN_MAX_CHARS[args.task_type]
-    pool = common.RenderPool(args.render_workers) if args.task_type == "html" else None
+    pool = render.RenderPool(args.render_workers) if args.task_type == "html" else None
     targets = {}  # html: task_id -> the target page's render, once per task
 
     active, errors, bar = [], 0, tqdm(total=len(todo), desc="dialogues", unit="dlg")
@@ -232,7 +235,7 @@ def main(args):
         else:  # render the target (once) and the agent's snippet, if its turn has one, for the human
             new = {ep["task"]["task_id"]: ep["task"]["ground_truth"] for ep in ask if ep["task"]["task_id"] not in targets}
             targets.update(zip(new, (img for img, _ in pool.render_many(list(new.values())))))
-            snippets = [common.extract_html(ep["dialogue"][-1]["content"]) for ep in ask]
+            snippets = [render.extract_html(ep["dialogue"][-1]["content"]) for ep in ask]
             renders = pool.render_many([s for s in snippets if s])
             agent_imgs = [renders.pop(0)[0] if s else None for s in snippets]
             requests = [common.human_messages(ep["task"], ep["dialogue"], "html", img, targets[ep["task"]["task_id"]])

@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import re
 import sys
 import threading
 import time
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import common
+import render
 
 
 @dataclass
@@ -54,11 +54,15 @@ class Args:
 
 
 def scripted_task_writer(prompt):
-    """Stand-in for an LLM asked for a task as JSON: a procedural task seeded by the prompt."""
-    from generate_tasks import procedural_task
-    seed = int(hashlib.sha1(prompt.encode()).hexdigest()[:8], 16)
-    t = procedural_task(random.Random(seed))
-    return json.dumps({k: t[k] for k in ("ground_truth", "hidden_information", "problem_description", "test_cases")})
+    """Stand-in for an LLM asked for a task as JSON (lets generate_tasks.py's llm source run offline):
+    a small fee task whose constants are seeded by the prompt."""
+    rng = random.Random(int(hashlib.sha1(prompt.encode()).hexdigest()[:8], 16))
+    base, per = rng.randint(2, 30), rng.randint(2, 25)
+    return json.dumps({"ground_truth": f"def ride_cost(km):\n    return {base} + {per} * km\n",
+                       "hidden_information": f"A ride starts at {base} dollars.\nEach km adds {per} dollars.",
+                       "problem_description": "Write a function for the price of a taxi ride. "
+                                              "The signature of the function is: def ride_cost(km)",
+                       "test_cases": {f"test{i + 1}": f"ride_cost({k})" for i, k in enumerate([0, 1, 2, 3, 5, 8, 10, 15, 20, 40])}})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -141,7 +145,7 @@ class ScriptedBackend:
         system = next((m["content"] for m in messages if m["role"] == "system"), "")
         last = messages[-1]["content"] if messages else ""
         if isinstance(last, list):  # multimodal content: a design question, with its images
-            images = [common.data_url_to_image(p["image_url"]["url"]) for p in last
+            images = [render.data_url_to_image(p["image_url"]["url"]) for p in last
                       if isinstance(p, dict) and p.get("type") == "image_url"]
             if images:
                 return design_feedback(images[0] if len(images) > 1 else None, images[-1])

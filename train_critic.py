@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +64,8 @@ class Args:
     """ablation: the critic does not see the ground truth"""
     heldout_fraction: float = 0.1
     """share of tasks whose pairs are held out for evaluation"""
+    eval_every: int = 5
+    """log the held-out pairs' loss/acc/margin every N steps (0 = only at the end)"""
     train_layers: int = 0
     """train only the top N decoder layers (+ final norm; 0 = all): a cheaper backward on CPU"""
     grad_ckpt: bool = False
@@ -114,6 +117,7 @@ def main(args):
                   args.save_every < 0 and "--save_every must be >= 0",
                   args.resume and not Path(args.output_dir, "resume").exists() and not Path(args.output_dir, "resume.old").exists()
                   and f"--resume: nothing to resume in {args.output_dir}/resume")
+    common.check_writable(args.output_dir.rstrip("/") + "/")
     rank, world, device = common.init_distributed()
     torch.manual_seed(args.seed)
     tok = common.load_tokenizer(args.model)
@@ -138,12 +142,11 @@ def main(args):
         print(f"{len(pairs)} pairs from {len(task_ids)} tasks: {len(train_pairs)} train, {len(held_pairs)} held out",
               flush=True)
 
-    critic = common.shard_model(common.load_model(args.model, device, args.grad_ckpt, train_layers=args.train_layers), world, device)
+    critic = common.shard_model(common.load_model(args.model, device, args.grad_ckpt, train_layers=args.train_layers),
+                                world, device)
     # pi_ref = the starting critic weights: its per-turn log-probs once, before any update
     tlist = list(trajs.values())
-    def ref_fn(m, t):
-        s, c = common.turn_logprobs(m, t["seqs"], len(t["turns"]))
-        return (s.tolist(), c.tolist()), len(t["seqs"])
+    ref_fn = lambda m, t: [x.tolist() for x in common.turn_logprobs(m, t["seqs"], len(t["turns"]))]
     for t, (s, c) in zip(tlist, common.precompute(critic, tlist, ref_fn, rank, world)):
         t["ref_sum"], t["ref_count"] = s, c
 
@@ -152,37 +155,60 @@ def main(args):
         ref_sum = torch.tensor(t["ref_sum"], device=logp_sum.device)
         return trajectory_score(logp_sum, ref_sum, count, args.beta, args.normalization)
 
-    def loss_fn(m, local, global_n):
-        loss, metrics, n_fwd = torch.zeros((), device=device), {"n": len(local), "tokens": 0}, 0
-        for chosen, rejected in local:
-            s_c, s_r = score(m, chosen), score(m, rejected)
-            pair_loss = critic_loss(s_c, s_r)
-            loss = loss + pair_loss / global_n
-            n_fwd += len(chosen["seqs"]) + len(rejected["seqs"])
-            metrics["tokens"] += sum(len(s[0]) for s in chosen["seqs"] + rejected["seqs"])
-            for k, v in {"loss": pair_loss.item(), "acc": float(s_c > s_r), "margin": (s_c - s_r).item()}.items():
-                metrics[k] = metrics.get(k, 0) + v
-        return loss, n_fwd, metrics
+    def pair_loss(m, pair):
+        chosen, rejected = pair
+        s_c, s_r = score(m, chosen), score(m, rejected)
+        loss = critic_loss(s_c, s_r)
+        return loss, {"loss": loss.item(), "acc": float(s_c > s_r), "margin": (s_c - s_r).item(),
+                      "tokens": sum(len(s[0]) for s in chosen["seqs"] + rejected["seqs"])}
 
-    def evaluate(name, eval_pairs):
+    def pair_metrics(name, eval_pairs):
+        """loss, acc and margin of the current critic on eval_pairs, without grad."""
         if not eval_pairs:
             return {}
         critic.eval()
-        res = common.precompute(critic, eval_pairs, lambda m, p: ((score(m, p[0]) - score(m, p[1])).item(),
-                                                                   len(p[0]["seqs"]) + len(p[1]["seqs"])),
-                                rank, world, desc=f"{name} pairs")
+        margins = torch.tensor(common.precompute(critic, eval_pairs, lambda m, p: (score(m, p[0]) - score(m, p[1])).item(),
+                                                 rank, world, desc=f"{name} pairs"))
         critic.train()
-        margins = torch.tensor(res)
         return {f"{name}_loss": F.softplus(-margins).mean().item(), f"{name}_acc": (margins > 0).float().mean().item(),
                 f"{name}_margin": margins.mean().item()}
 
-    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    # ------------------------------------ the training loop ---------------------------------------
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
     critic.train()
-    history = common.train_loop(critic, train_pairs, loss_fn, args, rank, world, args.output_dir)
-    final = {**evaluate("train", train_pairs), **evaluate("heldout", held_pairs)}
+    opt = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
+    order = {"batch_size": args.batch_size, "seed": args.seed, "epochs": args.epochs}  # what the data order depends on
+    start = common.load_training_state(critic, opt, out / "resume", order) if args.resume else 0
+    log = common.TrainingLog(out, start, rank)
+    batches = common.batch_order(len(train_pairs), args.batch_size, args.epochs, args.seed)
+    for step, (epoch, batch) in enumerate(batches, 1):
+        if step <= start:
+            continue  # done before the restart
+        t0, sums = time.time(), {"n": 0}
+        local = [train_pairs[i] for i in batch[rank::world]]  # this rank's share of the global batch
+        n_micro = common.lockstep(len(local))
+        for j in range(n_micro):  # one pair per micro-batch: memory holds one pair's graph
+            loss = None
+            if j < len(local):
+                loss, metrics = pair_loss(critic, local[j])
+                loss = loss / len(batch)  # the step's gradient is the mean over the global batch
+                for k, v in {"n": 1, **metrics}.items():
+                    sums[k] = sums.get(k, 0) + v
+            common.backward(critic, loss, world, last=j == n_micro - 1)
+        grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        seconds = time.time() - t0
+        held = pair_metrics("heldout", held_pairs) if args.eval_every and step % args.eval_every == 0 else {}
+        log.write(common.step_line(step, epoch, common.all_reduce_dict(sums), grad_norm, seconds, held))
+        if args.save_every and step % args.save_every == 0 and step < len(batches):
+            common.save_training_state(critic, opt, out / "resume", step, order, rank)
+
+    final = {**pair_metrics("train", train_pairs), **pair_metrics("heldout", held_pairs)}
     if rank == 0:
         print("final " + " ".join(f"{k}={v:.4g}" for k, v in final.items()), flush=True)
-        (Path(args.output_dir) / "final_metrics.json").write_text(json.dumps({"steps": len(history), **final}, indent=2))
+        common.write_text(out / "final_metrics.json", json.dumps({"steps": len(log.history), **final}, indent=2))
     common.save_checkpoint(critic, tok, args.output_dir, rank, args)
     if rank == 0:
         print(f"saved {args.output_dir}")

@@ -27,6 +27,7 @@ Deviations: constant learning rate, no warm-up (the released recipe uses its fra
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,6 +120,7 @@ def main(args):
                   args.batch_size < 1 and "--batch_size must be at least 1", args.save_every < 0 and "--save_every must be >= 0",
                   args.resume and not Path(args.output_dir, "resume").exists() and not Path(args.output_dir, "resume.old").exists()
                   and f"--resume: nothing to resume in {args.output_dir}/resume")
+    common.check_writable(args.output_dir.rstrip("/") + "/")
     rank, world, device = common.init_distributed()
     torch.manual_seed(args.seed)
     tok = common.load_tokenizer(args.model)
@@ -139,41 +141,59 @@ def main(args):
 
     if args.mode != "sft":  # pi_ref log-probs once, with the starting weights
         def ref_fn(m, ex):
-            c = summed_logp(m, ex["chosen_seqs"], len(ex["chosen"]))[0].item()
-            r = summed_logp(m, ex["rejected_seqs"], len(ex["rejected"]))[0].item()
-            return (c, r), len(ex["chosen_seqs"]) + len(ex["rejected_seqs"])
+            return [summed_logp(m, ex[side + "_seqs"], len(ex[side]))[0].item() for side in ("chosen", "rejected")]
         for ex, (c, r) in zip(examples, common.precompute(model, examples, ref_fn, rank, world)):
             ex["ref_chosen"], ex["ref_rejected"] = c, r
+
+    def sft_loss(m, ex):
+        """Rejection fine-tuning / warm-up: mean per-token NLL of the turns."""
+        logp, n = summed_logp(m, ex["chosen_seqs"], len(ex["chosen"]))
+        nll = -logp / n.clamp(min=1)
+        return nll, {"loss": nll.item(), "nll": nll.item(), "tokens": sum(len(s[0]) for s in ex["chosen_seqs"])}
+
+    def dpo_pair_loss(m, ex):
+        """L_policy for one pair (turn or trajectory), with TRL's metric names."""
+        logp_c, n_c = summed_logp(m, ex["chosen_seqs"], len(ex["chosen"]))
+        logp_r, _ = summed_logp(m, ex["rejected_seqs"], len(ex["rejected"]))
+        nll = -logp_c / n_c.clamp(min=1)  # mean per-token NLL of the chosen side
+        l_dpo, r_c, r_r = dpo_loss(logp_c, logp_r, torch.tensor(ex["ref_chosen"], device=device),
+                                   torch.tensor(ex["ref_rejected"], device=device), args.beta)
+        loss = l_dpo + args.nll_coef * nll  # L_policy = L_DPO + lambda * NLL(a+)
+        return loss, {"loss": loss.item(), "rewards/chosen": r_c.item(), "rewards/rejected": r_r.item(),
+                      "rewards/margins": (r_c - r_r).item(), "rewards/accuracies": float(r_c > r_r), "nll": nll.item(),
+                      "tokens": sum(len(s[0]) for s in ex["chosen_seqs"] + ex["rejected_seqs"])}
+
+    loss_fn = sft_loss if args.mode == "sft" else dpo_pair_loss
+
+    # ------------------------------------ the training loop ---------------------------------------
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
     model.train()
-
-    def loss_fn(m, local, global_n):
-        zero = torch.zeros((), device=device)
-        loss, metrics, n_fwd = zero, {"n": len(local), "tokens": 0}, 0
-        for ex in local:
-            logp_c, n_c = summed_logp(m, ex["chosen_seqs"], len(ex["chosen"]))
-            n_fwd += len(ex["chosen_seqs"])
-            nll = -logp_c / n_c.clamp(min=1)  # mean per-token NLL of the chosen side
-            metrics["tokens"] += sum(len(s[0]) for s in ex["chosen_seqs"])
-            if args.mode == "sft":
-                loss = loss + nll / global_n
-                metrics["loss"] = metrics.get("loss", 0) + nll.item()
-                metrics["nll"] = metrics.get("nll", 0) + nll.item()
-                continue
-            logp_r, _ = summed_logp(m, ex["rejected_seqs"], len(ex["rejected"]))
-            n_fwd += len(ex["rejected_seqs"])
-            metrics["tokens"] += sum(len(s[0]) for s in ex["rejected_seqs"])
-            l_dpo, r_c, r_r = dpo_loss(logp_c, logp_r, torch.tensor(ex["ref_chosen"], device=device),
-                                       torch.tensor(ex["ref_rejected"], device=device), args.beta)
-            l = l_dpo + args.nll_coef * nll  # L_policy = L_DPO + lambda * NLL(a+)
-            loss = loss + l / global_n
-            for k, v in {"loss": l.item(), "rewards/chosen": r_c.item(), "rewards/rejected": r_r.item(),
-                         "rewards/margins": (r_c - r_r).item(), "rewards/accuracies": float(r_c > r_r),
-                         "nll": nll.item()}.items():
-                metrics[k] = metrics.get(k, 0) + v
-        return loss, n_fwd, metrics
-
-    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-    common.train_loop(model, examples, loss_fn, args, rank, world, args.output_dir)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
+    order = {"batch_size": args.batch_size, "seed": args.seed, "epochs": args.epochs}  # what the data order depends on
+    start = common.load_training_state(model, opt, out / "resume", order) if args.resume else 0
+    log = common.TrainingLog(out, start, rank)
+    batches = common.batch_order(len(examples), args.batch_size, args.epochs, args.seed)
+    for step, (epoch, batch) in enumerate(batches, 1):
+        if step <= start:
+            continue  # done before the restart
+        t0, sums = time.time(), {"n": 0}
+        local = [examples[i] for i in batch[rank::world]]  # this rank's share of the global batch
+        n_micro = common.lockstep(len(local))
+        for j in range(n_micro):  # one example per micro-batch: memory holds one example's graph
+            loss = None
+            if j < len(local):
+                loss, metrics = loss_fn(model, local[j])
+                loss = loss / len(batch)  # the step's gradient is the mean over the global batch
+                for k, v in {"n": 1, **metrics}.items():
+                    sums[k] = sums.get(k, 0) + v
+            common.backward(model, loss, world, last=j == n_micro - 1)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        log.write(common.step_line(step, epoch, common.all_reduce_dict(sums), grad_norm, time.time() - t0))
+        if args.save_every and step % args.save_every == 0 and step < len(batches):
+            common.save_training_state(model, opt, out / "resume", step, order, rank)
     common.save_checkpoint(model, tok, args.output_dir, rank, args)
     if rank == 0:
         print(f"saved {args.output_dir}")

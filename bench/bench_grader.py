@@ -15,6 +15,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import common  # noqa: E402
+import sandbox  # noqa: E402
 import evaluate  # noqa: E402
 import generate_tasks  # noqa: E402
 
@@ -24,17 +25,17 @@ p.add_argument("--num_tasks", type=int, default=1000)
 p.add_argument("--programs", type=int, default=100, help="trivial programs run one after another for the per-program cost")
 a = p.parse_args()
 calls = [("t", "f(1)")]
-common.run_calls("def f(x):\n    return x", calls)  # decide the sandbox once
+sandbox.run_calls("def f(x):\n    return x", calls)  # decide the sandbox once
 t0 = time.time()
 for _ in range(a.programs):
-    assert common.run_calls("def f(x):\n    return x", calls)["t"] == ("ok", 1)
+    assert sandbox.run_calls("def f(x):\n    return x", calls)["t"] == ("ok", 1)
 per = (time.time() - t0) / a.programs
 t0 = time.time()
 for _ in range(a.programs):
-    subprocess.run([common.SANDBOX_PYTHON, "-S", "-s", "-c", "pass"], check=True)
+    subprocess.run([sandbox.SANDBOX_PYTHON, "-S", "-s", "-c", "pass"], check=True)
 bare = (time.time() - t0) / a.programs
 print(f"sandbox: {1000 * per:.1f} ms per program, one at a time (a bare `python -S -c pass`: {1000 * bare:.1f} ms); "
-      f"mode: {' '.join(common._sandbox[0][:2]) or 'no isolation'}, per-worker uid: {common._sandbox[1]}")
+      f"mode: {' '.join(sandbox._sandbox[0][:2]) or 'no isolation'}, per-worker uid: {sandbox._sandbox[1]}")
 tasks = common.load_tasks(a.tasks) if a.tasks else \
     [generate_tasks.procedural_task(random.Random(i)) for i in range(a.num_tasks)]
 with tempfile.TemporaryDirectory() as d:

@@ -10,7 +10,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import common  # noqa: E402
+import render  # noqa: E402
 import generate_tasks  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__)
@@ -21,14 +21,14 @@ a = p.parse_args()
 pages = [t["ground_truth"] for t in generate_tasks.load_html_tasks(a.tasks)] if a.tasks else \
     [generate_tasks.procedural_page(random.Random(i))["ground_truth"] for i in range(a.num_pages)]
 for workers in (1, 2):
-    with common.RenderPool(workers) as pool:
+    with render.RenderPool(workers) as pool:
         pool.render_many(pages[:workers])  # start the browsers outside the timing
         t0 = time.time()
         images = pool.render_many(pages)
         dt = time.time() - t0
         print(f"{workers} worker(s): {len(pages)} pages in {dt:.1f} s -> {len(pages) / dt:.2f} pages/s, "
               f"{pool.failures} failed")
-sim = common.ImageSimilarity(a.clip_model)
+sim = render.ImageSimilarity(a.clip_model)
 imgs = [img for img, _ in images]
 t0 = time.time()
 sim(imgs, imgs[1:] + imgs[:1])

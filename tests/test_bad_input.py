@@ -12,7 +12,7 @@ import label_turns
 import rollout
 import train_critic
 import train_dpo
-from conftest import ROOT
+from conftest import ROOT, ROOT
 
 TASK = {"problem_description": "Write f.", "hidden_information": "Double it.",
         "ground_truth": "def f(x):\n    return x * 2\n", "test_cases": {"a": "f(1)"}}
@@ -82,4 +82,21 @@ def test_a_stage_prints_one_clear_line_not_a_traceback(tmp_path):
     bad = write(tmp_path / "t.jsonl", [TRAJ, "not json"])
     p = subprocess.run([sys.executable, "evaluate.py", "--input", str(bad)], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 1 and "Traceback" not in p.stderr
-    assert p.stderr.strip() == f"error: {bad}:2: not valid JSON (Expecting value at column 1)"
+    assert p.stderr.strip() == f"error: {bad}:2: not valid JSON (Expecting value; column 1)"
+
+
+def test_unwritable_output_fails_before_any_work(tmp_path, task_files):
+    """evaluate.py (and every stage) checks its outputs first: one line, no traceback, nothing graded."""
+    import subprocess
+    import sys
+    train, _ = task_files
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for flag in ("--output", "--summary"):
+        p = subprocess.run([sys.executable, "evaluate.py", "--input", str(train), flag, str(blocker / "x.json")],
+                           capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert p.returncode != 0 and "Traceback" not in p.stderr and "ground truths" not in p.stderr, p.stderr
+        assert p.stderr.strip().splitlines()[-1].startswith(f"error: {blocker / 'x.json'}: cannot write there")
+    p = subprocess.run([sys.executable, "train_dpo.py", "--mode", "sft", "--trajectories", str(train), "--output_dir",
+                        str(blocker / "out")], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.returncode != 0 and "cannot write there" in p.stderr and "Traceback" not in p.stderr

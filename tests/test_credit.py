@@ -7,6 +7,7 @@ import types
 import pytest
 
 import common
+import sandbox
 import evaluate
 import generate_tasks
 import label_turns
@@ -51,7 +52,7 @@ def play(agent, t, sample):
         out = agent.generate([None], [ep])[0]
         ep["dialogue"].append({"role": "assistant", "content": out})
         if common.ANSWER_MARKER in out:
-            return ep["dialogue"], common.grade_code(t, common.extract_answer(out))["success"]
+            return ep["dialogue"], sandbox.grade_code(t, common.extract_answer(out))["success"]
         ep["dialogue"].append({"role": "user", "content": common.scripted_reply(t["hidden_information"], out)})
 
 

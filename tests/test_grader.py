@@ -1,11 +1,11 @@
 """The grader's scoring rules (hostile answers: tests/test_sandbox.py)."""
-import common
+import sandbox
 
 TASK = {"ground_truth": "def f(x):\n    return x * 2\n", "test_cases": {"t1": "f(1)", "t2": "f(2)", "t3": "f('a')"}}
 
 
 def grade(answer, **kw):
-    return common.grade_code(TASK, answer, timeout=kw.pop("timeout", 3), **kw)
+    return sandbox.grade_code(TASK, answer, timeout=kw.pop("timeout", 3), **kw)
 
 
 def test_pass_fail_and_fences():
@@ -17,7 +17,7 @@ def test_pass_fail_and_fences():
 
 def test_none_results_never_pass():
     task = {"ground_truth": "def f(x):\n    return None\n", "test_cases": {"t": "f(1)"}}
-    assert common.grade_code(task, "def f(x):\n    return None")["passed"] == 0
+    assert sandbox.grade_code(task, "def f(x):\n    return None")["passed"] == 0
 
 
 def test_exceptions_fail_only_their_tests():
@@ -35,5 +35,5 @@ def test_released_semantics_quirks():
 
 def test_results_compared_as_plain_data():
     task = {"ground_truth": "def f():\n    return {'a': [1, (2, 3)], 'b': {4}}\n", "test_cases": {"t": "f()"}}
-    assert common.grade_code(task, "def f():\n    return {'b': {4}, 'a': [1.0, (2, 3)]}")["success"]
-    assert not common.grade_code(task, "def f():\n    return {'b': {4}, 'a': [1, [2, 3]]}")["success"]
+    assert sandbox.grade_code(task, "def f():\n    return {'b': {4}, 'a': [1.0, (2, 3)]}")["success"]
+    assert not sandbox.grade_code(task, "def f():\n    return {'b': {4}, 'a': [1, [2, 3]]}")["success"]

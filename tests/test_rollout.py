@@ -20,9 +20,9 @@ def test_hf_rollout_schema_resume_and_reproducible(tiny_model, task_files, simul
     assert len(first) == 4
     for r in first:
         assert set(r) >= {"task", "dialogue_history", "answer", "task_id", "sample", "num_turns", "finish"}
-        assert r["finish"] in ("answered", "max_turns") and 1 <= r["num_turns"] <= 3
-        if r["finish"] == "max_turns":
-            assert r["num_turns"] == 3
+        last = [m for m in r["dialogue_history"] if m["role"] == "assistant"][-1]["content"]
+        assert r["finish"] == ("answered" if common.ANSWER_MARKER in last else "max_turns")
+        assert r["num_turns"] == 3 or r["finish"] == "answered"  # only the marker ends a dialogue early
         roles = [m["role"] for m in r["dialogue_history"]]
         assert roles[0] == "user" and roles[1::2] == ["assistant"] * r["num_turns"]
         for i, m in enumerate(r["dialogue_history"]):
@@ -73,6 +73,23 @@ def test_unreachable_simulator_keeps_finished_work(task_files, tmp_path, tiny_mo
                         "--simulator_url", "http://127.0.0.1:9", "--agent_backend", "oracle", "--agent_model", tiny_model],
                        capture_output=True, text=True, cwd=common.Path(common.__file__).parent, timeout=300)
     assert p.returncode != 0 and "Is the server running?" in p.stderr
+
+
+def test_every_wrong_simulator_url_is_one_line(task_files, tmp_path, tiny_model, simulator_url):
+    """Refused, wrong path (404) or no scheme: one line saying what was tried and what to do, no traceback."""
+    import subprocess
+    import sys
+    train, _ = task_files
+    port = simulator_url.rsplit(":", 1)[1]
+    for url, hint in (("http://127.0.0.1:9", "python simulator.py"), (f"{simulator_url}/api/v1", "HTTP 404"),
+                      (f"127.0.0.1:{port}/v1", "no scheme")):
+        p = subprocess.run([sys.executable, "rollout.py", "--tasks", str(train), "--output", str(tmp_path / "x.jsonl"),
+                            "--simulator_url", url, "--simulator_retry_s", "2", "--agent_backend", "oracle",
+                            "--agent_model", tiny_model], capture_output=True, text=True,
+                           cwd=common.Path(common.__file__).parent, timeout=300)
+        last = p.stderr.strip().splitlines()[-1]
+        assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+        assert last.startswith("error: ") and hint in last, last
 
 
 def test_evaluate_accepts_released_schema_without_ids(tmp_path, task_files):

@@ -9,6 +9,7 @@ import time
 import pytest
 
 import common
+import sandbox
 
 TIMEOUT = 2.0
 DOUBLE = {"ground_truth": "def f(x):\n    return x * 2\n", "test_cases": {"t1": "f(1)", "t2": "f(2)", "t3": "f(3)"}}
@@ -105,7 +106,7 @@ def host(tmp_path_factory):
 
 def sandbox_processes():
     """Live processes under this grader's sandbox uids (only where the sandbox drops to them)."""
-    lo = common._uids.base
+    lo = sandbox._uids.base
     found = []
     for p in os.listdir("/proc"):
         try:
@@ -122,11 +123,11 @@ def test_hostile_answer_is_contained(name, host, monkeypatch):
     monkeypatch.setenv("SWEETRL_SECRET", "hunter2")
     task, answer, expected = PAYLOADS[name]
     answer = answer.format(**host)
-    gt = common.run_calls(task["ground_truth"], task["test_cases"].items(), TIMEOUT)
+    gt = sandbox.run_calls(task["ground_truth"], task["test_cases"].items(), TIMEOUT)
     assert all(status == "ok" for status, _ in gt.values())
 
     t0 = time.monotonic()
-    r = common.grade_code(task, answer, timeout=TIMEOUT, gt_results=gt)
+    r = sandbox.grade_code(task, answer, timeout=TIMEOUT, gt_results=gt)
     elapsed = time.monotonic() - t0
 
     assert elapsed < TIMEOUT + 1, f"{name}: took {elapsed:.2f} s"
@@ -134,16 +135,16 @@ def test_hostile_answer_is_contained(name, host, monkeypatch):
     assert open(host["canary"]).read() == "secret ground truth"
     with pytest.raises(BlockingIOError):
         host["listener"].accept()  # nothing reached the host's local port
-    if common._sandbox[1]:  # the sandbox drops to per-worker uids: none of them may be left running
+    if sandbox._sandbox[1]:  # the sandbox drops to per-worker uids: none of them may be left running
         assert sandbox_processes() == [], f"{name}: processes left behind"
     # the machine is still healthy: processes start, and a correct answer passes right after
     assert subprocess.run(["true"]).returncode == 0
-    assert common.grade_code(task, task["ground_truth"], timeout=TIMEOUT, gt_results=gt)["success"]
+    assert sandbox.grade_code(task, task["ground_truth"], timeout=TIMEOUT, gt_results=gt)["success"]
 
 
 def test_verdicts_are_deterministic():
     """Fixed PYTHONHASHSEED: a set's order is the same in every sandbox."""
-    runs = [common.run_calls("def h():\n    return [str(x) for x in {'a', 'b', 'c', 'd', 'e', 'f'}]", [("t", "h()")])
+    runs = [sandbox.run_calls("def h():\n    return [str(x) for x in {'a', 'b', 'c', 'd', 'e', 'f'}]", [("t", "h()")])
             for _ in range(3)]
     assert runs[0] == runs[1] == runs[2] and runs[0]["t"][0] == "ok"
 
@@ -151,6 +152,6 @@ def test_verdicts_are_deterministic():
 def test_infrastructure_error_never_aborts(monkeypatch):
     """A sandbox that cannot start is a verdict, not an exception that ends the run."""
     monkeypatch.setattr(common, "_sandbox", (["/nonexistent/bwrap"], False, False))
-    r = common.grade_code(DOUBLE, OK, timeout=TIMEOUT, gt_results={t: ("ok", v) for t, v in
+    r = sandbox.grade_code(DOUBLE, OK, timeout=TIMEOUT, gt_results={t: ("ok", v) for t, v in
                                                                   zip(DOUBLE["test_cases"], (2, 4, 6))})
     assert set(r["verdicts"].values()) == {"infrastructure"} and r["reward"] == 0

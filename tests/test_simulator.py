@@ -6,7 +6,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 import common
-import simulator
 
 TASK = {"problem_description": "Label a score. The signature of the function is: def grade_exam(score)",
         "hidden_information": "A score of 62 or more gets the label 'gold'.\nA score below 62 gets the label 'silver'.\n"

@@ -5,6 +5,7 @@ import random
 import pytest
 
 import common
+import sandbox
 import generate_tasks
 from conftest import read_jsonl, run_script
 
@@ -42,8 +43,8 @@ def test_every_family_needs_its_hidden_facts():
             t = generate_tasks.procedural_task(rng, family)
             sig = t["problem_description"].split("def ")[-1]
             fn, args = sig.split("(")[0], [a.strip() for a in sig.split("(")[1].rstrip(")").split(",")]
-            assert common.grade_code(t, t["ground_truth"])["success"]
-            fails += not common.grade_code(t, naive(fn, args))["success"]
+            assert sandbox.grade_code(t, t["ground_truth"])["success"]
+            fails += not sandbox.grade_code(t, naive(fn, args))["success"]
         assert fails == 10, f"{family}: a guess without the facts passed {10 - fails}/10 tasks"
 
 
@@ -80,7 +81,7 @@ def test_llm_source_against_local_server(tmp_path, simulator_url):
     run_script("generate_tasks.py", "--source", "llm", "--endpoint", simulator_url, "--seed_texts", tmp_path / "seeds.txt",
                "--num_tasks", "3", "--output", tmp_path / "llm.jsonl")
     out = read_jsonl(tmp_path / "llm.jsonl")
-    assert len(out) == 3 and all(common.grade_code(t, t["ground_truth"])["success"] for t in out)
+    assert len(out) == 3 and all(sandbox.grade_code(t, t["ground_truth"])["success"] for t in out)
     assert generate_tasks.parse_llm_task("no json here") is None
     assert generate_tasks.parse_llm_task('{"ground_truth": "def f(): pass"}') is None
 

@@ -5,7 +5,6 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 import common

@@ -1,0 +1,446 @@
+"""The sandboxed unit-test grader (backend programming): every untrusted program, model answers and
+ground truths alike, runs in a child process, never in a stage's own process.
+
+    import sandbox
+    sandbox.grade_code(task, answer)           # {'reward', 'success', 'passed', 'total', 'verdicts', ...}
+    sandbox.run_calls(code, [(name, "f(1)")])  # per-call verdicts and decoded results
+
+See the README's "The grader and its sandbox" for what is contained and how it is tested
+(tests/test_sandbox.py: 43 hostile payloads).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+# ----------------------------------------------------------------------------------------------
+# Sandboxed unit-test grader (backend programming).
+# Every untrusted program (model answers AND ground truths) runs in a child process, never here:
+# bubblewrap with new pid/net/ipc/uts namespaces, a filesystem that holds only the interpreter and
+# system libraries (read-only) and a private 64 MB /tmp, a clean environment, resource limits, a
+# pids cgroup, and an unprivileged uid of its own per concurrent worker. Inside, a trusted runner
+# builds each test's arguments before the untrusted code is loaded, drops privileges, runs the
+# calls and encodes each result by exact type; this process decodes them into plain built-in data
+# and compares, so an answer's own __eq__ never decides.
+#
+# Verdict per test: pass | wrong | exception | timeout | crash | unencodable | infrastructure.
+# ----------------------------------------------------------------------------------------------
+_RUNNER = r"""
+def main():
+    import ast, builtins, json, math, os, resource, sys
+    job = json.loads(sys.stdin.read())
+    # 1. Every test's arguments, built before any untrusted code exists in this process; each test
+    #    gets its own objects, so an answer that mutates its arguments can't reach another test.
+    calls = []
+    for name, c in job["calls"]:
+        try:
+            node = ast.parse(c, mode="eval").body
+            assert type(node) is ast.Call and type(node.func) is ast.Name
+            args = [ast.literal_eval(a) for a in node.args]
+            kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+            assert None not in kwargs
+            calls.append((name, node.func.id, args, kwargs, c))
+        except Exception:
+            calls.append((name, None, None, None, c))  # not literal: evaluated after the code loads
+    # 2. The encoder and the writer, bound now to the builtins as they are (the code may patch them).
+    typ, esc, frepr, irepr, hexb, dict_items, isfinite = (type, json.encoder.encode_basestring_ascii,
+        float.__repr__, int.__repr__, bytes.hex, dict.items, math.isfinite)
+    NoneT, Bool, Int, Float, Str, Complex, Bytes = type(None), bool, int, float, str, complex, bytes
+    List, Tuple, Set, FSet, Dict = list, tuple, set, frozenset, dict
+    seqs = {List: "list", Tuple: "tuple", Set: "set", FSet: "frozenset"}
+    write, fd, BaseExc, exit_now = os.write, job["fd"], BaseException, os._exit
+    class Unencodable(Exception):
+        pass
+    def enc(x, budget, depth):
+        budget[0] -= 1
+        if budget[0] < 0 or depth > 50:
+            raise Unencodable("too large" if budget[0] < 0 else "too deep")
+        t = typ(x)
+        if t is NoneT or t is Bool:
+            return '["v",' + ("null" if x is None else "true" if x else "false") + "]"
+        if t is Str:
+            budget[1] -= len(x)
+            if budget[1] < 0:
+                raise Unencodable("too large")
+            return '["v",' + esc(x) + "]"
+        if t is Int:
+            return ('["v",' + irepr(x) + "]") if -2**63 < x < 2**63 else ('["int","' + irepr(x) + '"]')
+        if t is Float:
+            return ('["v",' + frepr(x) + "]") if isfinite(x) else ('["float","' + frepr(x) + '"]')
+        if t is Complex:
+            return '["complex",["' + frepr(x.real) + '","' + frepr(x.imag) + '"]]'
+        if t is Bytes:
+            budget[1] -= 2 * len(x)
+            if budget[1] < 0:
+                raise Unencodable("too large")
+            return '["bytes","' + hexb(x) + '"]'
+        if t in seqs:
+            return '["' + seqs[t] + '",[' + ",".join([enc(v, budget, depth + 1) for v in x]) + "]]"
+        if t is Dict:
+            return '["dict",[' + ",".join(["[" + enc(k, budget, depth + 1) + "," + enc(v, budget, depth + 1) + "]"
+                                          for k, v in dict_items(x)]) + "]]"
+        raise Unencodable("unsupported type")
+    def emit(name, status, payload):
+        data = ("[" + esc(name) + ',"' + status + '",' + payload + "]\n").encode()
+        while data:
+            data = data[write(fd, data):]
+    def reason(e):
+        try:
+            return esc(str(typ(e).__name__)[:100])
+        except BaseExc:
+            return '"?"'
+    # 3. Drop to this worker's unprivileged uid: no capabilities, and its own process limit.
+    uid = job["uid"]
+    if uid and os.getuid() == 0:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+        resource.setrlimit(resource.RLIMIT_NPROC, (job["nproc"], job["nproc"]))
+    sys.setrecursionlimit(3000)
+    # 4. Load the untrusted code and run each call.
+    g = {"__name__": "__colbench__", "__builtins__": builtins}
+    loc = {} if job["released"] else g  # released quirk: code exec'd in a function's locals
+    err = None
+    try:
+        exec(job["code"], g, loc)
+    except BaseExc as e:
+        err = reason(e)
+    for name, fn, args, kwargs, c in calls:
+        if err is not None:
+            emit(name, "exception", err)
+            continue
+        try:
+            if fn is None:
+                value = eval(c, g, loc)
+            else:
+                f = loc[fn] if fn in loc else g[fn] if fn in g else getattr(builtins, fn)
+                value = f(*args, **kwargs)
+        except BaseExc as e:
+            emit(name, "exception", reason(e))
+            continue
+        try:
+            payload = enc(value, [100000, 1 << 20], 0)
+        except BaseExc as e:
+            emit(name, "unencodable", esc(str(e)[:100]) if typ(e) is Unencodable else reason(e))
+            continue
+        emit(name, "ok", payload)
+    emit("__done__", "ok", "null")
+    exit_now(0)
+main()
+"""
+
+_SANDBOX_ENV = {"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0", "TZ": "UTC", "LANG": "C.UTF-8", "HOME": "/tmp"}
+SANDBOX_PYTHON = os.path.realpath(sys.executable)  # the real interpreter: the child needs no venv (-S)
+SANDBOX_MAX_PROCS = 64
+SANDBOX_TMP_BYTES = 64 << 20
+_sandbox = None  # (command prefix, drops uid, private tmp) decided once per process
+
+
+def _bwrap_args():
+    """A filesystem with only /usr, the interpreter's prefix (read-only) and a private /tmp."""
+    a = ["--perms", "1777", "--size", str(SANDBOX_TMP_BYTES), "--tmpfs", "/tmp", "--ro-bind", "/usr", "/usr",
+         "--proc", "/proc", "--dev", "/dev"]
+    for d in ("bin", "lib", "lib64", "sbin"):
+        p = Path("/" + d)
+        if p.is_symlink():
+            a += ["--symlink", os.readlink(p), str(p)]
+        elif p.is_dir():
+            a += ["--ro-bind", str(p), str(p)]
+    prefix = Path(os.path.realpath(sys.base_prefix))
+    if not any(prefix.is_relative_to(d) for d in ("/usr", "/bin", "/lib", "/lib64")):
+        for parent in reversed(prefix.parents[:-1]):  # traversable parents (the host's /root is 0700)
+            if parent != Path("/tmp"):
+                a += ["--perms", "0755", "--dir", str(parent)]
+        a += ["--ro-bind", str(prefix), str(prefix)]
+    return a + ["--die-with-parent", "--new-session", "--chdir", "/tmp"]
+
+
+def _choose_sandbox():
+    """The strongest isolation this machine offers, with a warning naming what is missing."""
+    root, bwrap = os.geteuid() == 0, shutil.which("bwrap")
+    if bwrap and root:  # privileged bwrap; the runner drops to a per-worker uid
+        return [bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+                *_bwrap_args()], True, True
+    if bwrap:  # unprivileged bwrap (user namespaces): the code runs under the caller's own uid
+        cmd = [bwrap, "--unshare-all", *_bwrap_args()]
+        if subprocess.run([*cmd, SANDBOX_PYTHON, "-I", "-S", "-c", "pass"], capture_output=True).returncode == 0:
+            print("sweetrl sandbox: not root, so sandboxed code runs under your own uid (no per-worker uid, no pids "
+                  "cgroup); namespaces and the filesystem view still apply", file=sys.stderr)
+            return cmd, False, True
+        missing = "bubblewrap cannot create namespaces here (user namespaces disabled)"
+    elif root and shutil.which("unshare"):
+        print("sweetrl sandbox: bubblewrap is missing (apt install bubblewrap), so sandboxed code sees the host's "
+              "files (as an unprivileged uid); pid and network namespaces still apply", file=sys.stderr)
+        return ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--net"], True, False
+    else:
+        missing = "bubblewrap is missing (apt install bubblewrap) and this is not root"
+    print(f"sweetrl sandbox: WARNING {missing}: untrusted code runs only in a separate process with resource "
+          "limits, under your uid, with your files and network reachable", file=sys.stderr)
+    return [], False, False
+
+
+def _limit_resources(cpu_s, mem_bytes, cgroup=None):
+    import resource
+    def apply():
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
+        resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+        if cgroup is not None:  # join the per-run pids cgroup before anything can fork
+            with open(cgroup / "cgroup.procs", "w") as f:
+                f.write(str(os.getpid()))
+    return apply
+
+
+class _UidPool:
+    """One unprivileged uid per concurrent sandbox, unique to this process (so RLIMIT_NPROC counts
+    one worker's processes only, and no sandbox can signal another's)."""
+
+    def __init__(self, size=64):
+        import queue
+        self.q, self.pid = queue.Queue(), os.getpid()
+        self.base = 100_000 + (os.getpid() % 100_000) * size
+        for u in range(self.base, self.base + size):
+            self.q.put(u)
+
+    def __enter__(self):
+        self.uid = self.q.get()
+        return self.uid
+
+    def __exit__(self, *exc):
+        self.q.put(self.uid)
+
+
+_uids = _UidPool()
+_cgroup_count = iter(range(1 << 62))
+
+
+def _new_pids_cgroup():
+    """A fresh pids cgroup capped at SANDBOX_MAX_PROCS, so a fork bomb stops there instead of
+    exhausting the machine's pids. None where we can't make one (not root, no cgroup v1 pids)."""
+    root = Path("/sys/fs/cgroup/pids")
+    if not (root / "cgroup.procs").exists() or not os.access(root, os.W_OK):
+        return None
+    try:
+        base = root / f"sweetrl-{os.getpid()}"
+        if not base.exists():
+            base.mkdir()
+            import atexit
+            atexit.register(lambda: [_remove_cgroup(p) for p in [*base.iterdir(), base] if p.is_dir()])
+        d = base / str(next(_cgroup_count))
+        d.mkdir()
+        (d / "pids.max").write_text(str(SANDBOX_MAX_PROCS))
+        return d
+    except OSError:
+        return None
+
+
+def _remove_cgroup(d):
+    for _ in range(50):  # the killed processes may take a moment to leave
+        try:
+            d.rmdir()
+            return
+        except OSError:
+            time.sleep(0.02)
+
+
+def run_calls(code, calls, timeout=10.0, released=False, mem_mb=1024):
+    """Run `code`, then each (name, call expression), in a sandbox. Returns {name: (status, value)}:
+    ("ok", plain Python data) or (exception | unencodable | timeout | crash | infrastructure, reason).
+    Never raises: an infrastructure failure is a status, so a run always goes on."""
+    global _sandbox, _uids
+    calls = list(calls)
+    try:
+        if _sandbox is None:
+            _sandbox = _choose_sandbox()
+        if _uids.pid != os.getpid():  # a forked worker process gets uids of its own
+            _uids = _UidPool()
+        with _uids as uid:
+            return _run_sandboxed(code, calls, timeout, released, mem_mb, uid)
+    except Exception as e:  # e.g. no pipes or processes left: the run goes on, the test is unjudged
+        return {name: ("infrastructure", f"{type(e).__name__}: {e}") for name, _ in calls}
+
+
+def _run_sandboxed(code, calls, timeout, released, mem_mb, uid):
+    prefix, drops_uid, private_tmp = _sandbox
+    r_fd, w_fd = os.pipe()
+    job = json.dumps({"code": code, "calls": calls, "released": released, "fd": w_fd,
+                      "uid": uid if drops_uid else 0, "nproc": SANDBOX_MAX_PROCS})
+    cgroup = _new_pids_cgroup()
+    tmp = None if private_tmp else tempfile.mkdtemp(prefix="sweetrl-sandbox-")
+    env = dict(_SANDBOX_ENV, **({} if private_tmp else {"TMPDIR": tmp, "HOME": tmp}))
+    limits = _limit_resources(int(timeout) + 1, mem_mb << 20, cgroup)
+    proc = None
+    try:
+        for attempt in range(6):  # EAGAIN when the machine is briefly out of processes: back off and retry
+            try:
+                proc = subprocess.Popen([*prefix, SANDBOX_PYTHON, "-S", "-s", "-c", _RUNNER], stdin=subprocess.PIPE,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(w_fd,),
+                                        preexec_fn=limits, start_new_session=True, env=env, cwd=tmp or "/")
+                break
+            except BlockingIOError:
+                if attempt == 5:
+                    raise
+                time.sleep(0.2 * 2 ** attempt)
+        os.close(w_fd)
+        w_fd = None
+        return _collect(proc, r_fd, job, calls, timeout)
+    finally:
+        for fd in (r_fd, w_fd):
+            if fd is not None:
+                os.close(fd)
+        if proc is not None:
+            try:
+                os.killpg(proc.pid, 9)  # the whole process group, whatever it forked
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()
+        if cgroup:
+            for pid in (cgroup / "cgroup.procs").read_text().split():  # anything that left the group
+                try:
+                    os.kill(int(pid), 9)
+                except (ProcessLookupError, ValueError):
+                    pass
+            _remove_cgroup(cgroup)
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _collect(proc, r_fd, job, calls, timeout):
+    """Read the runner's result lines until done, EOF (crash), too much output, or the deadline."""
+    import select
+    try:
+        proc.stdin.write(job.encode())
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass
+    results, buf, total, forked = {}, b"", 0, False
+    max_output = (len(calls) + 1) * (3 << 20)
+    deadline, ended = time.monotonic() + timeout, "timeout"
+    while ended == "timeout":
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([r_fd], [], [], left)[0]:
+            break
+        chunk = os.read(r_fd, 1 << 16)
+        total += len(chunk)
+        if not chunk or total > max_output:
+            ended = "crash"
+            break
+        *lines, buf = (buf + chunk).split(b"\n")
+        for line in lines:
+            try:
+                name, status, payload = json.loads(line)
+            except (ValueError, TypeError):
+                continue
+            if name == "__done__":
+                ended = "done"
+                break
+            if name in results:  # two writers: the code forked and both copies ran the tests
+                forked = True
+            elif status == "ok":
+                results[name] = ("ok", _decode(payload))
+            elif status in ("exception", "unencodable"):
+                results[name] = (status, str(payload))
+    if forked:
+        return {name: ("crash", "forked") for name, _ in calls}
+    for name, _ in calls:
+        results.setdefault(name, ("timeout", f"no result in {timeout:g} s") if ended == "timeout" else
+                           ("crash", "the program ended without a result"))
+    return results
+
+
+class _Opaque:
+    """A decoded value we can't compare (e.g. a set of lists): never equal to anything."""
+    def __eq__(self, other):
+        return False
+    __hash__ = object.__hash__
+
+
+def _decode(node):
+    tag, v = node
+    if tag == "v":
+        return v
+    if tag == "int":
+        return int(v)
+    if tag == "float":
+        return float(v)
+    if tag == "complex":
+        return complex(float(v[0]), float(v[1]))
+    if tag == "bytes":
+        return bytes.fromhex(v)
+    if tag in ("list", "tuple", "set", "frozenset"):
+        items = [_decode(x) for x in v]
+        if tag in ("set", "frozenset"):
+            try:
+                return {"set": set, "frozenset": frozenset}[tag](items)
+            except TypeError:
+                return _Opaque()
+        return items if tag == "list" else tuple(items)
+    if tag == "dict":
+        try:
+            return {_decode(k): _decode(x) for k, x in v}
+        except TypeError:
+            return _Opaque()
+    return _Opaque()
+
+
+# An approximation of the released grader's substring blacklist (it zeroes any answer containing
+# one); used only with --released_semantics, to compare with published numbers.
+RELEASED_BLACKLIST = ("import os", "import sys", "subprocess", "shutil", "exit(", "quit(", "open(",
+                      "input(", "__import__", "eval(", "exec(")
+
+
+def strip_fences(code):
+    """Released semantics: drop markdown code fences around the answer."""
+    code = code.strip()
+    m = re.search(r"```(?:python|py)?\s*\n(.*?)```", code, re.S)
+    if m:
+        return m.group(1)
+    return code.replace("```python", "").replace("```", "")
+
+
+VERDICTS = ("pass", "wrong", "exception", "timeout", "crash", "unencodable", "infrastructure")
+
+
+def grade_code(task, answer, timeout=10.0, released=False, gt_results=None):
+    """Score one answer on a backend task. Returns dict(reward, success, passed, total, timeouts,
+    verdicts={test: verdict}). A test passes when the ground truth's result is not None and equals
+    the answer's; a test whose ground truth itself fails is an `infrastructure` verdict."""
+    calls = list(task["test_cases"].items())
+    if gt_results is None:
+        gt_results = run_calls(task["ground_truth"], calls, timeout, released)
+    answer = strip_fences(answer or "")
+    if released and any(b in answer for b in RELEASED_BLACKLIST):
+        ans_results = {n: ("exception", "blacklisted") for n, _ in calls}
+    else:
+        ans_results = run_calls(answer, calls, timeout, released)
+    verdicts = {}
+    for name, _ in calls:
+        g, a = gt_results[name], ans_results[name]
+        if g[0] != "ok":
+            verdicts[name] = "infrastructure"
+        elif a[0] != "ok":
+            verdicts[name] = a[0]
+        else:
+            verdicts[name] = "pass" if g[1] is not None and _equal(g[1], a[1]) else "wrong"
+    passed = sum(v == "pass" for v in verdicts.values())
+    return {"reward": passed / len(calls), "success": passed == len(calls), "passed": passed,
+            "total": len(calls), "timeouts": sum(v == "timeout" for v in verdicts.values()), "verdicts": verdicts}
+
+
+def _equal(a, b):
+    try:
+        return bool(a == b)  # both are plain builtin data decoded here, so this __eq__ is ours
+    except Exception:
+        return False
+
+

@@ -50,8 +50,11 @@ CLIP_MODEL=${CLIP_MODEL:-}            # html: a local CLIP model; empty = the na
 
 KNOWN="SMALL RUN MODEL WARMUP N_WARMUP WARMUP_FAMILIES ORACLE_HASTY ORACLE_DETOUR N_TRAIN N_TEST SAMPLES ORACLE_SAMPLES
   CANDIDATES PAIRS_PER_STATE DATA_FRACTION TEMPERATURE TRAIN_TEMPERATURE TOP_P MAX_TURNS MAX_NEW_TOKENS LR_WARMUP LR_CRITIC LR_DPO
-  CRITIC_EPOCHS CREDIT_VARIANTS TRAIN_LAYERS BATCH_SIZE NPROC SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL SETUP PY"
-echo "run.sh: run directory $RUN"
+  CRITIC_EPOCHS CREDIT_VARIANTS TRAIN_LAYERS BATCH_SIZE NPROC SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL REPORT_DIALOGUES SETUP PY"
+echo "run.sh: run directory $RUN$([ -d "$RUN" ] && echo ' (exists: finished stages are reused)')"
+for v in OUT_DIR OUTPUT_DIR RUN_DIR OUTPUT; do  # easy mistakes: run.sh reads RUN
+  if [ -n "${!v-}" ]; then echo "run.sh: warning: $v is set but run.sh does not read it; the run directory is RUN=$RUN" >&2; fi
+done
 for v in $KNOWN; do printf '  %s=%s\n' "$v" "${!v-}"; done
 [ "${SETUP:-1}" = 1 ] && bash setup.sh
 PY=${PY:-.venv/bin/python}
@@ -64,7 +67,14 @@ train() {  # a training stage; it continues from OUTPUT_DIR/resume when a killed
   done
   if [ "$NPROC" -gt 1 ]; then "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" "${a[@]}"; else "$PY" "${a[@]}"; fi
 }
-have() { [ -f "$1/config.json" ]; }
+have() {  # a finished checkpoint (config.json is written last): reuse it, and say so
+  if [ -f "$1/config.json" ]; then echo "reusing $1 (finished earlier; delete it to redo that stage)"; return 0; fi
+  return 1
+}
+exists() {  # a finished file: reuse it, and say so
+  if [ -f "$1" ]; then echo "reusing $1 (delete it to redo)"; return 0; fi
+  return 1
+}
 
 if [ -z "$SIMULATOR_URL" ]; then
   "$PY" simulator.py --port 0 > "$RUN/simulator.log" 2>&1 &
@@ -90,15 +100,15 @@ evaluate() {  # evaluate IN NAME [extra]
 
 log "tasks"
 gen() { "$PY" generate_tasks.py --task_type "$TASK_TYPE" "$@"; }
-[ -f "$RUN/test_tasks.jsonl" ] || gen --num_tasks "$N_TEST" --seed $((SEED + 1)) --output "$RUN/test_tasks.jsonl"
-[ -f "$RUN/train_tasks.jsonl" ] || gen --num_tasks "$N_TRAIN" --seed $((SEED + 2)) \
+exists "$RUN/test_tasks.jsonl" || gen --num_tasks "$N_TEST" --seed $((SEED + 1)) --output "$RUN/test_tasks.jsonl"
+exists "$RUN/train_tasks.jsonl" || gen --num_tasks "$N_TRAIN" --seed $((SEED + 2)) \
   --exclude "$RUN/test_tasks.jsonl" --output "$RUN/train_tasks.jsonl"
 
 POLICY=$MODEL
 if [ "$WARMUP" = 1 ]; then
   log "protocol warm-up: SFT on oracle dialogues (the starting policy of every method below)"
   fam=(); [ "$TASK_TYPE" = code ] && [ -n "$WARMUP_FAMILIES" ] && fam=(--families "$WARMUP_FAMILIES")
-  [ -f "$RUN/warmup_tasks.jsonl" ] || gen --num_tasks "$N_WARMUP" --seed $((SEED + 3)) "${fam[@]}" \
+  exists "$RUN/warmup_tasks.jsonl" || gen --num_tasks "$N_WARMUP" --seed $((SEED + 3)) "${fam[@]}" \
     --exclude "$RUN/test_tasks.jsonl" --output "$RUN/warmup_tasks.jsonl"
   rollout "$MODEL" "$RUN/warmup_tasks.jsonl" "$RUN/warmup_oracle.jsonl" --agent_backend oracle \
     --oracle_hasty "$ORACLE_HASTY" --oracle_detour "$ORACLE_DETOUR"
@@ -160,8 +170,16 @@ if [ "$TASK_TYPE" = code ]; then
   credit=(); [ -f "$RUN/pairs.jsonl.credit.json" ] && credit=(--credit "$RUN/pairs.jsonl.credit.json")
   "$PY" evaluate.py --compare "$(IFS=,; echo "${runs[*]}")" --policies "$(IFS=,; echo "${pols[*]}")" "${credit[@]}" \
     --summary "$RUN/results.json" | tee "$RUN/results.txt"
-  exit 0
 fi
+report() {  # the teaching views: plots of results and training, and the trajectory viewer
+  local runs=()
+  for m in $METHODS; do runs+=("${m%%:*}=$RUN/test_${m%%:*}_graded.jsonl"); done
+  if [ "$TASK_TYPE" = code ]; then "$PY" view.py --plots "$RUN"; fi
+  local states=(); [ -f "$RUN/pairs.jsonl.states.jsonl" ] && states=(--states "$RUN/pairs.jsonl.states.jsonl")
+  "$PY" view.py --trajectories "$(IFS=,; echo "${runs[*]}")" "${states[@]}" --critic "$RUN/critic" \
+    --task_type "$TASK_TYPE" --max_dialogues "${REPORT_DIALOGUES:-40}" --output "$RUN/report.html"
+}
+if [ "$TASK_TYPE" = code ]; then report; echo "open $RUN/report.html in a browser; plots: $RUN/results.png, $RUN/training.png"; exit 0; fi
 "$PY" - "$RUN" $METHODS <<'EOF' | tee "$RUN/results.txt"
 import json, sys
 run, methods = sys.argv[1], [m.split(":")[0] for m in sys.argv[2:]]
@@ -179,3 +197,4 @@ else:
               f"{100 * s['answered_rate']:>9.1f}%")
     print(f"({s['num_tasks']} test tasks)")
 EOF
+if [ "$TASK_TYPE" = html ]; then report; fi

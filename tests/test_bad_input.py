@@ -12,7 +12,7 @@ import label_turns
 import rollout
 import train_critic
 import train_dpo
-from conftest import ROOT, ROOT
+from conftest import ROOT
 
 TASK = {"problem_description": "Write f.", "hidden_information": "Double it.",
         "ground_truth": "def f(x):\n    return x * 2\n", "test_cases": {"a": "f(1)"}}

@@ -1,0 +1,81 @@
+"""view.py: the static trajectory report opened in real headless Chromium (dialogues and coloured
+advantages present in the rendered page, a screenshot saved), and the run's PNG plots."""
+import json
+import os
+
+import torch
+from PIL import Image
+from transformers import AutoModelForCausalLM
+
+import common
+import render
+from conftest import run_script
+
+TASK = {"task_id": "t0", "problem_description": "Write f. The signature of the function is: def f(x)",
+        "hidden_information": "Double it.", "ground_truth": "def f(x):\n    return x * 2\n", "test_cases": {"a": "f(1)"}}
+
+
+def traj(tok, outputs, replies, reward, sample):
+    dialogue = [{"role": "user", "content": TASK["problem_description"]}]
+    for out, reply in zip(outputs, replies + [None]):
+        inp = common.render_prompt(tok, common.agent_messages(TASK, dialogue))
+        dialogue.append({"role": "assistant", "content": out, "input": inp, "output": out})
+        if reply is not None:
+            dialogue.append({"role": "user", "content": reply})
+    return {"task": TASK, "task_id": "t0", "sample": sample, "dialogue_history": dialogue, "answer": outputs[-1],
+            "reward": reward, "success": reward == 1.0}
+
+
+def test_report_in_a_real_browser(tiny_model, tmp_path):
+    tok = common.load_tokenizer(tiny_model)
+    rows = [traj(tok, ["What factor?", "I WANT TO ANSWER: def f(x): return x * 2"], ["Double it."], 1.0, 0),
+            traj(tok, ["I WANT TO ANSWER: def f(x): return x"], [], 0.0, 1)]
+    (tmp_path / "g.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    state = {"task_id": "t0", "sample": 0, "turn": 0, "candidates": ["What factor?", "I WANT TO ANSWER: x"],
+             "advantages": [0.02, -0.03], "classes": ["good", "bad"]}
+    (tmp_path / "pairs.jsonl.states.jsonl").write_text(json.dumps(state) + "\n")
+    (tmp_path / "pairs.jsonl").write_text(json.dumps({"prompt": "p", "chosen": "What factor?", "rejected": "I WANT TO ANSWER: x",
+                                                      "task_id": "t0", "sample": 0, "turn": 0}) + "\n")
+    critic = AutoModelForCausalLM.from_pretrained(tiny_model)  # a critic that differs from pi_ref
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in critic.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    critic.save_pretrained(tmp_path / "critic")
+    tok.save_pretrained(tmp_path / "critic")
+    (tmp_path / "critic" / "run_settings.json").write_text(json.dumps({"model": tiny_model, "beta": 0.1}))
+    run_script("view.py", "--trajectories", f"sweet_rl={tmp_path / 'g.jsonl'}", "--states",
+               tmp_path / "pairs.jsonl.states.jsonl", "--critic", tmp_path / "critic", "--output", tmp_path / "report.html")
+    page = (tmp_path / "report.html").read_text()
+    assert "http" not in page.replace("http-equiv", "")  # self-contained: nothing to fetch
+    with render.Renderer() as r:
+        img, ok = r.render(page)
+        assert ok
+        shot = os.environ.get("VIEW_SCREENSHOT", str(tmp_path / "report.png"))
+        img.save(shot)
+        d = r.driver
+        assert len(d.find_elements("css selector", ".dlg")) == 2
+        agents = d.find_elements("css selector", ".agent[data-adv]")
+        assert len(agents) == 3  # every agent turn carries its advantage
+        colours = {d.execute_script("return getComputedStyle(arguments[0]).backgroundColor", a) for a in agents}
+        assert len(colours) >= 2 and "rgb(255, 255, 255)" not in colours  # coloured by advantage, not all alike
+        text = d.find_element("css selector", "body").text
+        assert "Double it." in text and "chosen #1" in text and "rejected #1" in text and "good" in text
+        d.find_element("css selector", "#succ").send_keys("success")  # the outcome filter hides the failure
+        assert d.execute_script("return [...document.querySelectorAll('.dlg')].filter(x => x.style.display != 'none').length") == 1
+    assert Image.open(shot).size[0] == 1280
+
+
+def test_plots(tmp_path):
+    res = {"num_test_tasks": 10, "methods": {"zero_shot": {"success": 0.3, "ci95": [0.1, 0.5]},
+                                             "sweet_rl": {"success": 0.5, "ci95": [0.3, 0.7]}}}
+    (tmp_path / "results.json").write_text(json.dumps(res))
+    for d, lines in (("critic", [{"step": s, "loss": 0.69 - 0.01 * s, "acc": 0.5 + 0.05 * s,
+                                  **({"heldout_loss": 0.7, "heldout_acc": 0.6} if s % 2 == 0 else {})} for s in range(1, 7)]),
+                     ("policy_sweet", [{"step": s, "rewards/margins": 0.01 * s, "rewards/accuracies": 0.5} for s in range(1, 5)])):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    run_script("view.py", "--plots", tmp_path)
+    for name in ("results.png", "training.png"):
+        im = Image.open(tmp_path / name)
+        assert im.size[0] > 300 and len(set(im.convert("L").getdata())) > 10  # a real drawing, not a blank canvas

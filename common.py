@@ -569,57 +569,84 @@ def run(main, cls, doc):
 
 
 # ----------------------------------------------------------------------------------------------
-# Samplers: generate(prompts) -> texts, for rollout.py (the agent) and label_turns.py (candidates).
-# `args` needs temperature, top_p, max_new_tokens, seed, batch_size (and agent_url for openai).
+# Samplers: generate(prompts, keys) -> texts, for rollout.py (the agent) and label_turns.py (candidates).
+# keys[i] names what prompt i is (task, sample, turn / state, candidate): per-request seeds derive
+# from it, so K samples of one prompt differ and a rerun gives the same texts.
 # ----------------------------------------------------------------------------------------------
+def request_seed(base_seed, key):
+    """A 31-bit seed for one request from the run's seed and the request's key."""
+    return int(hashlib.sha256(f"{base_seed}/{key}".encode()).hexdigest()[:8], 16) & 0x7FFFFFFF
+
+
+def local_device():
+    """This process's accelerator: cuda:LOCAL_RANK under torchrun (one GPU per rank), else the CPU."""
+    import torch
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+
+
 class HFSampler:
-    """transformers in process: all prompts as one left-padded batch."""
-    def __init__(self, model, args, loaded=None):
+    """transformers in process: all prompts as one left-padded batch (seeded once per process)."""
+    def __init__(self, model, temperature, top_p, max_new_tokens, loaded=None):
         import torch
         from transformers import AutoModelForCausalLM
-        self.torch, self.args = torch, args
+        self.torch, self.temperature, self.top_p, self.max_new_tokens = torch, temperature, top_p, max_new_tokens
         self.tok = load_tokenizer(model)
         self.tok.padding_side = "left"
-        dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = local_device()
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.model = loaded if loaded is not None else \
             AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=dtype).to(self.device).eval()
 
-    def generate(self, prompts, episodes=None):
-        a = self.args
+    def generate(self, prompts, keys=None):
         batch = self.tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
-        sample = a.temperature > 0
+        sample = self.temperature > 0
         with self.torch.no_grad():
-            out = self.model.generate(**batch, max_new_tokens=a.max_new_tokens, do_sample=sample,
-                                      temperature=a.temperature if sample else None, top_p=a.top_p if sample else None,
+            out = self.model.generate(**batch, max_new_tokens=self.max_new_tokens, do_sample=sample,
+                                      temperature=self.temperature if sample else None, top_p=self.top_p if sample else None,
                                       top_k=None, pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id)
         new = out[:, batch["input_ids"].shape[1]:]  # [batch, new_tokens]
         return self.tok.batch_decode(new, skip_special_tokens=True)
 
 
 class OpenAISampler:
-    """Raw-prompt completions, so `input` is exactly what the server's model saw."""
+    """Raw-prompt completions, so `input` is exactly what the server's model saw. Each request carries
+    its own seed (request_seed of its key): vLLM seeds every request on its own, so one seed for all
+    would make K samples of a prompt identical."""
 
-    def __init__(self, model, args):
-        self.args, self.tok = args, load_tokenizer(model)
-        self.client = ChatClient(args.agent_url, model, workers=args.batch_size)
+    def __init__(self, model, temperature, top_p, max_new_tokens, seed, url, workers=16):
+        self.tok, self.seed = load_tokenizer(model), seed
+        self.kw = {"temperature": temperature, "top_p": top_p, "max_tokens": max_new_tokens}
+        self.client = ChatClient(url, model, workers=workers)
 
-    def generate(self, prompts, episodes=None):
-        a = self.args
-        return self.client.complete_many(prompts, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_new_tokens,
-                                         seed=a.seed)
+    def generate(self, prompts, keys=None):
+        keys = keys or [f"{hashlib.sha1(p.encode()).hexdigest()[:12]}/{i}" for i, p in enumerate(prompts)]
+        return self.client._many(lambda pk: self.client.complete(pk[0], seed=request_seed(self.seed, pk[1]), **self.kw),
+                                 list(zip(prompts, keys)), {}, False)
 
 
 class VLLMSampler:
-    """vLLM in process (optional: requirements-gpu.txt)."""
-    def __init__(self, model, args):
-        from vllm import LLM, SamplingParams  # optional dependency: requirements-gpu.txt
-        self.args, self.tok = args, load_tokenizer(model)
-        self.llm = LLM(resolve_model(model), seed=args.seed)
-        self.params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens)
+    """vLLM in process (optional: requirements-gpu.txt), with per-request seeds like OpenAISampler."""
+    def __init__(self, model, temperature, top_p, max_new_tokens, seed, gpu_memory_utilization=0.9):
+        from vllm import LLM  # optional dependency: requirements-gpu.txt
+        self.tok, self.seed = load_tokenizer(model), seed
+        self.kw = {"temperature": temperature, "top_p": top_p, "max_tokens": max_new_tokens}
+        self.llm = LLM(resolve_model(model), seed=seed, gpu_memory_utilization=gpu_memory_utilization)
 
-    def generate(self, prompts, episodes=None):
-        return [o.outputs[0].text for o in self.llm.generate(prompts, self.params, use_tqdm=False)]
+    def generate(self, prompts, keys=None):
+        from vllm import SamplingParams
+        keys = keys or [f"{hashlib.sha1(p.encode()).hexdigest()[:12]}/{i}" for i, p in enumerate(prompts)]
+        params = [SamplingParams(seed=request_seed(self.seed, k), **self.kw) for k in keys]
+        return [o.outputs[0].text for o in self.llm.generate(prompts, params, use_tqdm=False)]
+
+
+def make_sampler(backend, model, temperature, top_p, max_new_tokens, seed, url="", workers=16,
+                 gpu_memory_utilization=0.9, loaded=None):
+    """The agent's sampler for backend hf | openai | vllm."""
+    if backend == "hf":
+        return HFSampler(model, temperature, top_p, max_new_tokens, loaded)
+    if backend == "openai":
+        return OpenAISampler(model, temperature, top_p, max_new_tokens, seed, url, workers)
+    return VLLMSampler(model, temperature, top_p, max_new_tokens, seed, gpu_memory_utilization)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -640,8 +667,9 @@ def agent_turns(traj):
 
 def tokenize_turns(tokenizer, turns, prefix="", max_len=None):
     """Token sequences for one trajectory. Returns a list of (ids, turn_of) where turn_of[i] is the
-    agent-turn index that token i belongs to, or -1. With max_len, a sequence keeps its last
-    max_len tokens (a turn cut off entirely then has no tokens)."""
+    agent-turn index that token i belongs to, or -1. With max_len, a longer sequence keeps the prefix
+    (the critic's training-time information c) and the last tokens of the dialogue, max_len in all
+    (a turn cut off entirely then has no tokens)."""
     enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"] if s else []
     eos, eos_id = tokenizer.eos_token, tokenizer.eos_token_id
     seqs, text, ids, turn_of = [], None, [], []
@@ -660,8 +688,11 @@ def tokenize_turns(tokenizer, turns, prefix="", max_len=None):
         text = inp + out + eos
     if ids:
         seqs.append((ids, turn_of))
-    if max_len:
-        seqs = [(i[-max_len:], o[-max_len:]) for i, o in seqs]
+    if max_len:  # keep c (the prefix) whole and the last tokens of the dialogue: the dialogue is cut, never c
+        n_pre = len(enc(prefix))
+        keep = max(max_len - n_pre, 1)
+        seqs = [(i[:n_pre] + i[n_pre:][-keep:], o[:n_pre] + o[n_pre:][-keep:]) if len(i) > max_len else (i, o)
+                for i, o in seqs]
     return seqs
 
 

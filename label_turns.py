@@ -60,7 +60,7 @@ class Args:
     max_new_tokens: int = 1024
     """longest candidate"""
     max_len: int = 16384
-    """longest prompt + candidate for scoring; longer prompts keep their last tokens"""
+    """longest prompt + candidate for scoring; a longer prompt keeps c whole and the last tokens of the dialogue"""
     agent_backend: str = "hf"
     """hf | openai | vllm (how candidates are sampled)"""
     agent_url: str = ""
@@ -73,6 +73,8 @@ class Args:
     """i/n: only this shard of the states (default: torchrun RANK/WORLD_SIZE)"""
     credit_critics: str = ""
     """NAME=DIR,...: more critics (variants) that score the same candidates, for the turn-credit accuracy only"""
+    gpu_memory_utilization: float = 0.5
+    """vllm backend: share of the GPU's memory vLLM may take (the critics and pi_ref need the rest)"""
     max_turns: int = 10
     """the rollouts' turn limit (a candidate at the last turn is an answer, for the turn classes)"""
 
@@ -109,8 +111,8 @@ def encode_state(tok, prefix, prompt, candidates, max_len):
     """Token ids of (c + prompt) and of each candidate (+ end-of-turn), as common.tokenize_turns makes them."""
     enc = lambda s: tok(s, add_special_tokens=False)["input_ids"] if s else []
     cands = [enc(c) + [tok.eos_token_id] for c in candidates]
-    keep = max(1, max_len - max(len(c) for c in cands))
-    return (enc(prefix) + enc(prompt))[-keep:], cands
+    keep = max(1, max_len - max(len(c) for c in cands) - len(enc(prefix)))
+    return enc(prefix) + enc(prompt)[-keep:], cands  # the dialogue is cut, never c
 
 
 def make_pairs(candidates, advantages, k, rng):
@@ -207,17 +209,22 @@ def main(args):
 
 def label(args, todo, critic_dirs, critic_settings, ref_name, policy_name, rng, pairs_out, state_log):
     """Sample, score and pair the candidates of every state in todo; one states.jsonl row per state."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = common.local_device()  # cuda:LOCAL_RANK under torchrun
     tok = common.load_tokenizer(ref_name)
+    sampler = None
+    if args.agent_backend == "vllm":  # vLLM first, with its share of the GPU; the critics and pi_ref fit after it
+        sampler = common.make_sampler("vllm", policy_name, args.temperature, args.top_p, args.max_new_tokens, args.seed,
+                                      gpu_memory_utilization=args.gpu_memory_utilization)
     critics = {name: common.load_model(d, device).eval() for name, d in critic_dirs.items()}
     ref = common.load_model(ref_name, device).eval()
-    sampler_cls = {"hf": common.HFSampler, "openai": common.OpenAISampler, "vllm": common.VLLMSampler}[args.agent_backend]
-    sampler = sampler_cls(policy_name, args, loaded=ref if policy_name == ref_name else None) \
-        if args.agent_backend == "hf" else sampler_cls(policy_name, args)
+    sampler = sampler or common.make_sampler(args.agent_backend, policy_name, args.temperature, args.top_p,
+                                             args.max_new_tokens, args.seed, args.agent_url, args.batch_size,
+                                             loaded=ref if policy_name == ref_name else None)
     gt_results = {}  # task_id -> the ground truth's results, to grade candidate answers (procedural tasks)
 
     for traj, turn, prompt in common.tqdm_if(todo, True, "states"):
-        candidates = sampler.generate([prompt] * args.num_candidates)  # the policy never sees c
+        keys = [f"{traj['task_id']}/{traj.get('sample', 0)}/{turn}/{k}" for k in range(args.num_candidates)]
+        candidates = sampler.generate([prompt] * args.num_candidates, keys)  # the policy never sees c
         advantages, ref_scores = {}, {}
         for name, critic in critics.items():
             s = critic_settings[name]

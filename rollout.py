@@ -87,14 +87,16 @@ class Args:
     """oracle backend: share of dialogues that answer before every fact is known, guessing the rest"""
     oracle_detour: float = 0.0
     """oracle backend: chance that a question asks about something the hidden facts never cover"""
+    gpu_memory_utilization: float = 0.9
+    """vllm backend: share of the GPU's memory vLLM may take"""
     seed: int = 0
-    """seed for sampling (offset by shard index)"""
+    """seed for sampling (offset by shard index; openai/vllm: one seed per request from it)"""
     shard: str = ""
     """i/n: run only this shard of the dialogues (default: torchrun RANK/WORLD_SIZE)"""
 
 
 # ----------------------------------------------------------------------------------------------
-# Agent backends: generate(prompts, episodes) -> generated texts. hf/openai/vllm live in common.py
+# Agent backends: generate(prompts, keys) -> generated texts. hf/openai/vllm live in common.py
 # (label_turns.py samples with them too); the oracle is rollout-only.
 # ----------------------------------------------------------------------------------------------
 def oracle_question(fact):
@@ -141,7 +143,7 @@ class OracleAgent:
     def rng(self, ep, *extra):
         return random.Random(f"{self.args.seed}/{ep['task']['task_id']}/{ep['sample']}/{'/'.join(map(str, extra))}")
 
-    def generate(self, prompts, episodes):
+    def generate(self, prompts, episodes):  # episodes: the dialogues themselves (the oracle reads the task)
         outs, a = [], self.args
         for ep in episodes:
             task = ep["task"]
@@ -163,7 +165,7 @@ class OracleAgent:
         return outs
 
 
-AGENTS = {"hf": common.HFSampler, "openai": common.OpenAISampler, "vllm": common.VLLMSampler, "oracle": OracleAgent}
+AGENTS = ("hf", "openai", "vllm", "oracle")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -200,7 +202,9 @@ def main(args):
         return
     human = common.ChatClient(args.simulator_url, args.simulator_model or None, workers=args.human_workers,
                               timeout=args.simulator_timeout, retry_time=args.simulator_retry_s)
-    agent = AGENTS[args.agent_backend](args.agent_model, args)
+    agent = OracleAgent(args.agent_model, args) if args.agent_backend == "oracle" else common.make_sampler(
+        args.agent_backend, args.agent_model, args.temperature, args.top_p, args.max_new_tokens, args.seed + shard,
+        args.agent_url, args.batch_size, args.gpu_memory_utilization)
     max_chars = common.HUMAN_MAX_CHARS[args.task_type]
     pool = render.RenderPool(args.render_workers) if args.task_type == "html" else None
     targets = {}  # html: task_id -> the target page's render, once per task
@@ -215,7 +219,10 @@ def main(args):
                    for ep in active]
         too_long = [len(agent.tok(p, add_special_tokens=False)["input_ids"]) > args.max_prompt_tokens for p in prompts]
         ok = [i for i, bad in enumerate(too_long) if not bad]
-        outputs = dict(zip(ok, agent.generate([prompts[i] for i in ok], [active[i] for i in ok]))) if ok else {}
+        # the oracle reads each dialogue; a sampler gets each request's key (its seed derives from it)
+        keys = [active[i] if args.agent_backend == "oracle" else
+                f"{active[i]['task']['task_id']}/{active[i]['sample']}/{len(active[i]['dialogue'])}" for i in ok]
+        outputs = dict(zip(ok, agent.generate([prompts[i] for i in ok], keys))) if ok else {}
         done, ask = [], []
         for i, ep in enumerate(active):
             if too_long[i]:

@@ -26,19 +26,19 @@ N_TRAIN=${N_TRAIN:-60}                # RL train tasks
 N_TEST=${N_TEST:-200}                 # test tasks
 SAMPLES=${SAMPLES:-4}                 # rollouts per train task
 ORACLE_SAMPLES=${ORACLE_SAMPLES:-0}  # extra complete-oracle dialogues per train task (off-policy successes)
-CANDIDATES=${CANDIDATES:-8}           # label_turns: candidates per state
+CANDIDATES=${CANDIDATES:-6}           # label_turns: candidates per state
 PAIRS_PER_STATE=${PAIRS_PER_STATE:-4}  # released: 4
-DATA_FRACTION=${DATA_FRACTION:-0.15}   # label_turns: share of train trajectories labelled (released: 0.1)
+DATA_FRACTION=${DATA_FRACTION:-0.12}   # label_turns: share of train trajectories labelled (released: 0.1)
 TEMPERATURE=${TEMPERATURE:-1.0}       # test rollouts: the policy samples its own distribution (README)
 TRAIN_TEMPERATURE=${TRAIN_TEMPERATURE:-1.0}  # train rollouts: more varied samples give the critic pairs
 TOP_P=${TOP_P:-1.0}                   # nucleus sampling of every rollout (1.0: the policy's own distribution)
 MAX_TURNS=${MAX_TURNS:-10}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-$([ "${TASK_TYPE:-code}" = html ] && echo 640 || echo 96)}  # a page needs ~350 tokens
 LR_WARMUP=${LR_WARMUP:-1e-4}
-LR_CRITIC=${LR_CRITIC:-1e-5}
+LR_CRITIC=${LR_CRITIC:-1e-4}
 LR_DPO=${LR_DPO:-1e-5}
 TRAIN_LAYERS=${TRAIN_LAYERS:-$([ "$MODEL" = embedded ] && echo 10 || echo 0)}  # critic/DPO train only the top N layers (0 = all; README)
-CRITIC_EPOCHS=${CRITIC_EPOCHS:-1}
+CRITIC_EPOCHS=${CRITIC_EPOCHS:-2}
 CREDIT_VARIANTS=${CREDIT_VARIANTS:-$([ "${TASK_TYPE:-code}" = code ] && echo 1 || echo 0)}  # also train the critic ablations, for turn-credit accuracy
 BATCH_SIZE=${BATCH_SIZE:-64}          # rollout dialogues per batch
 NPROC=${NPROC:-1}                     # processes per training stage (torchrun + FSDP2 when > 1)

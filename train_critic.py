@@ -57,7 +57,7 @@ class Args:
     batch_size: int = 8
     """pairs per optimizer step, over all ranks"""
     max_len: int = 8192
-    """longest token sequence; longer ones keep their last max_len tokens"""
+    """longest token sequence; a longer one keeps c whole and the last tokens of the dialogue"""
     normalization: str = "turn"
     """turn: sum of per-turn mean log-ratios (paper) | trajectory: one mean over all agent tokens (released code)"""
     no_training_info: bool = False

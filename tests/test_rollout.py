@@ -106,3 +106,49 @@ def test_evaluate_accepts_released_schema_without_ids(tmp_path, task_files):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"task": tasks[0]}) + "\n")
     with pytest.raises(common.DataError, match=r"bad.jsonl:1: missing field 'dialogue_history'"):
         __import__("evaluate").load_trajectories(tmp_path / "bad.jsonl")
+
+
+def test_openai_agent_gets_one_seed_per_request(task_files, simulator_url, tmp_path, tiny_model):
+    """A server that seeds each request on its own, as vLLM does: K samples of a task must differ, and
+    the same command must give the same dialogues."""
+    import random
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    seeds = []
+
+    class VLLMLike(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def reply(self, obj):
+            body = json.dumps(obj).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            self.reply({"data": [{"id": "agent"}]})
+
+        def do_POST(self):
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seeds.append(req.get("seed"))
+            rng = random.Random(req.get("seed"))  # same seed, same text; no seed: random
+            self.reply({"choices": [{"text": " ".join(rng.choice(["what", "is", "the", "rule", "?"]) for _ in range(6))}]})
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), VLLMLike)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    train, _ = task_files
+    args = ["--agent_backend", "openai", "--agent_url", f"http://127.0.0.1:{server.server_address[1]}", "--agent_model",
+            tiny_model, "--num_tasks", "2", "--samples", "3", "--max_turns", "2", "--temperature", "1.0"]
+    rollout(train, tmp_path / "a.jsonl", simulator_url, *args)
+    rollout(train, tmp_path / "b.jsonl", simulator_url, *args)
+    server.shutdown()
+    rows = read_jsonl(tmp_path / "a.jsonl")
+    by_task = {}
+    for r in rows:
+        by_task.setdefault(r["task_id"], []).append(r["dialogue_history"][1]["content"])
+    assert all(len(set(v)) == 3 for v in by_task.values())  # the samples differ
+    assert len(set(seeds)) == len(seeds) // 2 and None not in seeds  # one seed per request, repeated by the rerun
+    strip = lambda rs: sorted(json.dumps(r, sort_keys=True) for r in rs)
+    assert strip(rows) == strip(read_jsonl(tmp_path / "b.jsonl"))

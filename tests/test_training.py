@@ -243,3 +243,19 @@ def test_nll_term_is_mean_chosen_nll(tok_model, tiny_model, tmp_path):
         manual = -sum(naive_turn_logprobs(model, tok, turns)) / n_tokens
     log = read_jsonl(tmp_path / "sft" / "log.jsonl")
     assert log[0]["nll"] == pytest.approx(manual, rel=1e-4) and log[0]["loss"] == pytest.approx(manual, rel=1e-4)
+
+
+def test_truncation_keeps_training_information(tok_model):
+    """A trajectory longer than max_len loses its earliest dialogue tokens, never c (the critic's view)."""
+    tok, _ = tok_model
+    long_traj = make_traj(tok, TASK, ["What factor? " * 30, "I WANT TO ANSWER: def f(x): return x * 2"], ["Double it. " * 30], 1.0)
+    prefix = train_critic.training_info(TASK)
+    n_pre = len(tok(prefix, add_special_tokens=False)["input_ids"])
+    full = common.tokenize_turns(tok, common.agent_turns(long_traj), prefix)[0][0]
+    ids, turn_of = common.tokenize_turns(tok, common.agent_turns(long_traj), prefix, max_len=n_pre + 40)[0]
+    assert len(ids) == n_pre + 40 and ids[:n_pre] == full[:n_pre] and ids[n_pre:] == full[-40:]
+    assert turn_of[:n_pre] == [-1] * n_pre and turn_of[-1] == 1  # c never counts; the last turn survives
+    cands = ["I WANT TO ANSWER: x"]
+    prompt = long_traj["dialogue_history"][-1]["input"]
+    p_ids, c_ids = label_turns.encode_state(tok, prefix, prompt, cands, n_pre + 30)
+    assert p_ids[:n_pre] == full[:n_pre] and len(p_ids) + len(c_ids[0]) <= n_pre + 30

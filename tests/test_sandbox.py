@@ -8,7 +8,6 @@ import time
 
 import pytest
 
-import common
 import sandbox
 
 TIMEOUT = 2.0
@@ -151,7 +150,7 @@ def test_verdicts_are_deterministic():
 
 def test_infrastructure_error_never_aborts(monkeypatch):
     """A sandbox that cannot start is a verdict, not an exception that ends the run."""
-    monkeypatch.setattr(common, "_sandbox", (["/nonexistent/bwrap"], False, False))
+    monkeypatch.setattr(sandbox, "_sandbox", (["/nonexistent/bwrap"], False, False))
     r = sandbox.grade_code(DOUBLE, OK, timeout=TIMEOUT, gt_results={t: ("ok", v) for t, v in
                                                                   zip(DOUBLE["test_cases"], (2, 4, 6))})
     assert set(r["verdicts"].values()) == {"infrastructure"} and r["reward"] == 0

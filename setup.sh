@@ -24,4 +24,4 @@ if ! .venv/bin/python -c "import torch, transformers, gguf, datasets, requests, 
   touch .venv/.installed
 fi
 # Tailwind 2.2.19 for offline rendering, from the npm package, cached under ~/.cache/sweetrl
-.venv/bin/python -c "import common; common.tailwind_css()" || echo "setup: could not fetch Tailwind (needs npm)" >&2
+.venv/bin/python -c "import render; render.tailwind_css()" || echo "setup: could not fetch Tailwind (needs npm)" >&2

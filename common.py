@@ -851,7 +851,8 @@ def save_training_state(model, opt, resume_dir, step, order, rank):
     barrier()
     if rank == 0:
         (tmp / "meta.json").write_text(json.dumps({"step": step, **order}))
-        if resume_dir.exists():
+        if resume_dir.exists():  # complete (only ever renamed into place); an older resume.old left by a
+            shutil.rmtree(old, ignore_errors=True)  # kill after the last rename would block this rename
             os.replace(resume_dir, old)
         os.replace(tmp, resume_dir)
         shutil.rmtree(old, ignore_errors=True)

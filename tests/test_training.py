@@ -259,3 +259,17 @@ def test_truncation_keeps_training_information(tok_model):
     prompt = long_traj["dialogue_history"][-1]["input"]
     p_ids, c_ids = label_turns.encode_state(tok, prefix, prompt, cands, n_pre + 30)
     assert p_ids[:n_pre] == full[:n_pre] and len(p_ids) + len(c_ids[0]) <= n_pre + 30
+
+
+def test_training_state_survives_a_kill_between_renames(tmp_path):
+    """A kill after the new state was renamed in but before resume.old was removed leaves both; the
+    next save must still succeed (this once crashed a resumed two-process run)."""
+    import shutil
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    order = {"batch_size": 2, "seed": 0, "epochs": 1}
+    common.save_training_state(model, opt, tmp_path / "resume", 1, order, 0)
+    shutil.copytree(tmp_path / "resume", tmp_path / "resume.old")
+    common.save_training_state(model, opt, tmp_path / "resume", 2, order, 0)
+    assert not (tmp_path / "resume.old").exists()
+    assert common.load_training_state(model, opt, tmp_path / "resume", order) == 2

@@ -19,8 +19,15 @@ drawn from the better half by advantage, one from the worse half; the higher one
 Scoring shares work: the prompt (c + o_t) is run once, and the N candidates run as one batch
 on its KV cache (score_candidates); it equals naive one-by-one scoring (tests check 1e-4).
 
-Deviations: pi_ref sees the same input as the critic (c + o_t), as in the critic's own objective
-(the released code used the sampler's log-probs, without c). Identical candidates are never paired.
+Turn-credit accuracy (procedural code tasks): every candidate's true class (common.turn_class) is
+stored in the states file, and each critic (--critic and --credit_critics) is scored on every two
+candidates of a state whose classes differ; printed and written to PAIRS.credit.json.
+
+Deviations from the paper / released code:
+1. pi_ref sees the same input as the critic (c + o_t), as in the critic's own objective (the released
+   code used the sampler's log-probs, without c).
+2. Identical candidates are never paired.
+3. The advantage is train_critic.turn_advantage, with the critic's beta (from its run_settings.json).
 """
 from __future__ import annotations
 

@@ -21,8 +21,9 @@ Backends:
   sentences.
 - hf: a local transformers chat model, greedy (temperature 0 in the paper); text only.
 
-Deviation from the paper: the scripted human replaces Llama-3.1-70B on CPU; it never paraphrases
-and answers only when the question shares words with a hidden fact.
+Deviations from the paper:
+1. The scripted human replaces Llama-3.1-70B on CPU; it never paraphrases and answers only when
+   the question shares words with a hidden fact.
 """
 from __future__ import annotations
 

@@ -21,8 +21,10 @@ Logged metrics (TRL's names): rewards/chosen = beta*(logp(a+)-logp_ref(a+)); rew
 rewards/margins = chosen - rejected; rewards/accuracies = share of pairs with a positive margin;
 nll = NLL(a+); loss = the total loss; tokens_per_s = tokens forwarded per second (all ranks).
 
-Deviations: constant learning rate, no warm-up (the released recipe uses its framework's schedule);
-`trajectory` pairs are built like the critic's (common.trajectory_pairs).
+Deviations from the paper / released code:
+1. Constant learning rate, no warm-up (the released recipe uses its framework's schedule).
+2. `trajectory` pairs (multi-turn DPO) are built like the critic's (common.trajectory_pairs).
+3. `--sft_on all` (ours) fine-tunes on every dialogue: the embedded warm-up on oracle dialogues.
 """
 from __future__ import annotations
 

@@ -304,8 +304,11 @@ class ChatClient:
         exception in place of the reply instead of raising."""
         return self._many(self.chat, list_of_messages, kw, errors)
 
-    def complete_many(self, prompts, errors=False, **kw):
-        return self._many(self.complete, prompts, kw, errors)
+    def complete_many(self, prompts, errors=False, seeds=None, **kw):
+        """One completion per prompt; seeds (one per prompt) go with their requests."""
+        if seeds is None:
+            return self._many(self.complete, prompts, kw, errors)
+        return self._many(lambda ps, **k: self.complete(ps[0], seed=ps[1], **k), list(zip(prompts, seeds)), kw, errors)
 
     def _many(self, fn, items, kw, errors):
         def one(x):
@@ -620,8 +623,7 @@ class OpenAISampler:
 
     def generate(self, prompts, keys=None):
         keys = keys or [f"{hashlib.sha1(p.encode()).hexdigest()[:12]}/{i}" for i, p in enumerate(prompts)]
-        return self.client._many(lambda pk: self.client.complete(pk[0], seed=request_seed(self.seed, pk[1]), **self.kw),
-                                 list(zip(prompts, keys)), {}, False)
+        return self.client.complete_many(prompts, seeds=[request_seed(self.seed, k) for k in keys], **self.kw)
 
 
 class VLLMSampler:

@@ -212,8 +212,8 @@ def compare(args):
     tasks = sorted(set.intersection(*(set(v) for v in per_task.values())))
     if not tasks:
         raise common.DataError("--compare: the runs share no task")
-    res = {"num_test_tasks": len(tasks), "methods": {}, "paired_vs_zero_shot" if base == "zero_shot" else f"paired_vs_{base}": {}}
-    paired = res["paired_vs_zero_shot" if base == "zero_shot" else f"paired_vs_{base}"]
+    paired = {}  # NAME -> difference to the first method (the baseline, zero_shot in run.sh)
+    res = {"num_test_tasks": len(tasks), "methods": {}, f"paired_vs_{base}": paired}
     for name in runs:
         xs = [per_task[name][t] for t in tasks]
         res["methods"][name] = {"success": sum(xs) / len(xs), "ci95": bootstrap_ci(xs, args.bootstrap),

@@ -256,7 +256,7 @@ def label(args, todo, critic_dirs, critic_settings, ref_name, policy_name, rng, 
             grade = lambda code: sandbox.grade_code(task, code, gt_results=gt_results[task["task_id"]])["success"]
             before = state_dialogue(traj, turn)
             row["classes"] = [common.turn_class(task, before, c, turn >= args.max_turns - 1, grade) for c in candidates]
-            row["advantages_by_critic"] = {**advantages, "untrained": [0.0] * len(candidates)}
+            row["advantages_by_critic"] = advantages
         state_log.write(row)
 
 
@@ -266,6 +266,9 @@ def report_credit(args, out_path, critic_dirs):
     states = [r for _, r in common.read_jsonl(Path(f"{out_path}.states.jsonl"))] if Path(f"{out_path}.states.jsonl").exists() else []
     report = {"states": len(states), "states_with_classes": sum("classes" in s for s in states), "credit_accuracy": {},
               "class_pairs": {}}
+    for s in states:  # the untrained critic is pi_ref: log pi_ref - log pi_ref = 0 for every turn
+        if "advantages_by_critic" in s:
+            s["advantages_by_critic"]["untrained"] = [0.0] * len(s["candidates"])
     for name in [*critic_dirs, "untrained"]:
         report["credit_accuracy"][name], report["class_pairs"][name] = credit_accuracy(states, name)
     if report["states_with_classes"]:

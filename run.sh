@@ -164,16 +164,14 @@ for m in $METHODS; do
 done
 
 log "results ($RUN)"
+runs=() pols=()  # NAME=GRADED and NAME=POLICY of every method
+for m in $METHODS; do runs+=("${m%%:*}=$RUN/test_${m%%:*}_graded.jsonl"); pols+=("${m%%:*}=${m#*:}"); done
 if [ "$TASK_TYPE" = code ]; then
-  runs=() pols=()
-  for m in $METHODS; do runs+=("${m%%:*}=$RUN/test_${m%%:*}_graded.jsonl"); pols+=("${m%%:*}=${m#*:}"); done
   credit=(); [ -f "$RUN/pairs.jsonl.credit.json" ] && credit=(--credit "$RUN/pairs.jsonl.credit.json")
   "$PY" evaluate.py --compare "$(IFS=,; echo "${runs[*]}")" --policies "$(IFS=,; echo "${pols[*]}")" "${credit[@]}" \
     --summary "$RUN/results.json" | tee "$RUN/results.txt"
 fi
 report() {  # the teaching views: plots of results and training, and the trajectory viewer
-  local runs=()
-  for m in $METHODS; do runs+=("${m%%:*}=$RUN/test_${m%%:*}_graded.jsonl"); done
   if [ "$TASK_TYPE" = code ]; then "$PY" view.py --plots "$RUN"; fi
   local states=(); [ -f "$RUN/pairs.jsonl.states.jsonl" ] && states=(--states "$RUN/pairs.jsonl.states.jsonl")
   "$PY" view.py --trajectories "$(IFS=,; echo "${runs[*]}")" "${states[@]}" --critic "$RUN/critic" \

@@ -10,26 +10,12 @@ from transformers import AutoModelForCausalLM
 import common
 import render
 from conftest import run_script
-
-TASK = {"task_id": "t0", "problem_description": "Write f. The signature of the function is: def f(x)",
-        "hidden_information": "Double it.", "ground_truth": "def f(x):\n    return x * 2\n", "test_cases": {"a": "f(1)"}}
-
-
-def traj(tok, outputs, replies, reward, sample):
-    dialogue = [{"role": "user", "content": TASK["problem_description"]}]
-    for out, reply in zip(outputs, replies + [None]):
-        inp = common.render_prompt(tok, common.agent_messages(TASK, dialogue))
-        dialogue.append({"role": "assistant", "content": out, "input": inp, "output": out})
-        if reply is not None:
-            dialogue.append({"role": "user", "content": reply})
-    return {"task": TASK, "task_id": "t0", "sample": sample, "dialogue_history": dialogue, "answer": outputs[-1],
-            "reward": reward, "success": reward == 1.0}
-
+from test_training import TASK, make_traj
 
 def test_report_in_a_real_browser(tiny_model, tmp_path):
     tok = common.load_tokenizer(tiny_model)
-    rows = [traj(tok, ["What factor?", "I WANT TO ANSWER: def f(x): return x * 2"], ["Double it."], 1.0, 0),
-            traj(tok, ["I WANT TO ANSWER: def f(x): return x"], [], 0.0, 1)]
+    rows = [make_traj(tok, TASK, ["What factor?", "I WANT TO ANSWER: def f(x): return x * 2"], ["Double it."], 1.0, 0),
+            make_traj(tok, TASK, ["I WANT TO ANSWER: def f(x): return x"], [], 0.0, 1)]
     (tmp_path / "g.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     state = {"task_id": "t0", "sample": 0, "turn": 0, "candidates": ["What factor?", "I WANT TO ANSWER: x"],
              "advantages": [0.02, -0.03], "classes": ["good", "bad"]}

@@ -84,9 +84,9 @@ class Args:
     batch_size: int = 32
     """dialogues generated together (hf/vllm) or in flight (openai)"""
     oracle_hasty: float = 0.0
-    """oracle backend: share of dialogues that answer before every fact is known, guessing the rest"""
+    """oracle backend: share of dialogues with a budget of fewer questions than facts, guessing the rest"""
     oracle_detour: float = 0.0
-    """oracle backend: chance that a question asks about something the hidden facts never cover"""
+    """oracle backend: chance that a question is wasted (asks again about a revealed fact, or about nothing the facts cover)"""
     gpu_memory_utilization: float = 0.9
     """vllm backend: share of the GPU's memory vLLM may take"""
     seed: int = 0
@@ -132,10 +132,13 @@ def guess_answer(task, known, rng):
 class OracleAgent:
     """A scripted agent (html: answers at once with the target page). Code: asks for the first hidden
     fact not yet revealed, and answers with the ground truth once every fact is known. With
-    --oracle_hasty p, a dialogue instead stops asking (with probability p) after a random number of
-    revealed facts, fewer than all, and answers with the ground truth whose unheard constants are
-    guessed (guess_answer); with --oracle_detour q, each question is (with probability q) one the
-    hidden facts never cover. Draws are seeded by (seed, task, sample, turn): reruns are identical."""
+    --oracle_hasty p, a dialogue instead (with probability p) has a budget of questions, fewer than
+    the facts, and answers once it is spent, with the ground truth whose unheard constants are
+    guessed (guess_answer). With --oracle_detour q, each question is (with probability q) a wasted
+    one: it asks again about a fact already revealed, or about something the facts never cover.
+    A wasted question spends the budget too, so a hasty dialogue that detours learns fewer facts:
+    asking the wrong thing costs the outcome, the turn mistake SWEET-RL's critic must find.
+    Draws are seeded by (seed, task, sample, turn): reruns are identical."""
 
     def __init__(self, model, args):
         self.args, self.tok = args, common.load_tokenizer(model)
@@ -152,14 +155,16 @@ class OracleAgent:
                 continue
             facts = [line.strip() for line in task["hidden_information"].splitlines() if line.strip()]
             known = common.revealed_facts(task, ep["dialogue"])
-            turn = sum(m["role"] == "assistant" for m in ep["dialogue"])
+            turn = sum(m["role"] == "assistant" for m in ep["dialogue"])  # questions asked so far
             plan = self.rng(ep)
-            stop_after = plan.randrange(len(facts)) if plan.random() < a.oracle_hasty else len(facts)
-            if len(known) >= min(stop_after, len(facts)) or turn >= a.max_turns - 1:
+            budget = plan.randrange(len(facts)) if plan.random() < a.oracle_hasty else None
+            if len(known) == len(facts) or (budget is not None and turn >= budget) or turn >= a.max_turns - 1:
                 code = task["ground_truth"].strip() if len(known) == len(facts) else guess_answer(task, known, plan)
                 outs.append(f"{common.ANSWER_MARKER}\n{code}")
             elif self.rng(ep, turn).random() < a.oracle_detour:
-                outs.append(self.rng(ep, turn, "q").choice(DETOURS))
+                r = self.rng(ep, turn, "q")
+                repeat = sorted(known) and r.random() < 0.5
+                outs.append(oracle_question(r.choice(sorted(known))) if repeat else r.choice(DETOURS))
             else:
                 outs.append(oracle_question(next(f for f in facts if f not in known)))
         return outs

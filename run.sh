@@ -35,7 +35,7 @@ TOP_P=${TOP_P:-1.0}                   # nucleus sampling of every rollout (1.0: 
 MAX_TURNS=${MAX_TURNS:-10}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-$([ "${TASK_TYPE:-code}" = html ] && echo 640 || echo 96)}  # a page needs ~350 tokens
 LR_WARMUP=${LR_WARMUP:-1e-4}
-LR_CRITIC=${LR_CRITIC:-1e-4}
+LR_CRITIC=${LR_CRITIC:-5e-5}
 LR_DPO=${LR_DPO:-1e-5}
 TRAIN_LAYERS=${TRAIN_LAYERS:-$([ "$MODEL" = embedded ] && echo 10 || echo 0)}  # critic/DPO train only the top N layers (0 = all; README)
 CRITIC_EPOCHS=${CRITIC_EPOCHS:-2}

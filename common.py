@@ -1,6 +1,8 @@
-"""Shared toolbox for every stage: JSONL I/O, ColBench tasks, the sandboxed unit-test grader, the
-OpenAI-compatible HTTP client for the simulated human, prompts, model loading (including the
-embedded SmolLM2 default) and the per-turn log-prob helpers used by the training stages.
+"""Shared toolbox for every stage, top to bottom: JSONL I/O and run settings, the command line,
+the OpenAI-compatible HTTP client for the simulated human, model loading (including the embedded
+SmolLM2 default) and the samplers, the per-turn log-prob helpers, and the distributed and training helpers.
+ColBench's rules (tasks, prompts, the scripted human, turn classes) are in colbench.py; the grader's
+sandbox in sandbox.py; rendering and image similarity in render.py.
 
 Nothing here is stage logic; a helper lives here only when two or more stages need it.
 """
@@ -10,7 +12,6 @@ import hashlib
 import json
 import os
 import random
-import re
 import shutil
 import subprocess
 import sys
@@ -20,11 +21,7 @@ import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from render import extract_html, image_to_data_url  # noqa: E402 (frontend helpers used by prompts)
-from sandbox import grade_code  # the ground-truth turn class grades answers
 
-ANSWER_MARKER = "I WANT TO ANSWER:"
-HUMAN_MAX_CHARS = {"code": 400, "html": 1000}  # PAPER.md §1: the human's reply is cut to this length
 CACHE_DIR = Path(os.environ.get("SWEETRL_CACHE", Path.home() / ".cache" / "sweetrl"))
 
 
@@ -167,62 +164,50 @@ def sharded_path(path, shard_index, num_shards):
 
 
 # ----------------------------------------------------------------------------------------------
-# Tasks (the public ColBench formats, unchanged)
+# Command lines: one @dataclass Args per script; each field's docstring becomes its --help.
 # ----------------------------------------------------------------------------------------------
-TASK_FIELDS = {
-    "code": {"problem_description": str, "hidden_information": str, "ground_truth": str, "test_cases": dict},
-    "html": {"problem_description": str, "ground_truth": str},
-}
+def parse_args(cls, doc=None, argv=None):
+    import argparse
+    import ast
+    import dataclasses
+    import inspect
+    helps = {}
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            helps[node.target.id] = nxt.value.value
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in dataclasses.fields(cls):
+        required = f.default is dataclasses.MISSING
+        h = helps.get(f.name, "").replace("%", "%%")  # argparse formats help with %
+        if not required and "default" not in h and not isinstance(f.default, bool):
+            h += f" (default: {f.default if f.default != '' else 'none'})"
+        if f.type in (bool, "bool"):  # a flag: --name sets it (True by default: --no_name clears it)
+            if f.default:
+                p.add_argument(f"--no_{f.name}", dest=f.name, action="store_false", help=h)
+            else:
+                p.add_argument(f"--{f.name}", action="store_true", help=h)
+        else:
+            kind = {"int": int, "float": float, "str": str}.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
+            p.add_argument(f"--{f.name}", type=kind, required=required, default=None if required else f.default, help=h)
+    return cls(**vars(p.parse_args(argv)))
 
 
-def task_id(task):
-    """The task's own id if it has one, else a stable id derived from its content."""
-    if task.get("task_id"):
-        return str(task["task_id"])
-    # all the task's content: two tasks that differ only in their tests must not share an id
-    blob = json.dumps([task.get(k) for k in ("problem_description", "hidden_information", "ground_truth", "test_cases")],
-                      ensure_ascii=False, sort_keys=True)
-    return hashlib.sha1(blob.encode()).hexdigest()[:12]
+def refuse(*problems):
+    """Exit before any work when settings can't work together: each problem is a message or False."""
+    problems = [p for p in problems if p]
+    if problems:
+        sys.exit("error: " + "\n       ".join(problems))
 
 
-def validate_task(task, task_type="code", where="task"):
-    """Raise DataError naming `where` (file:line) if a required field is missing or mistyped."""
-    for field, kind in TASK_FIELDS[task_type].items():
-        if field not in task:
-            raise DataError(f"{where}: missing field '{field}' (a {task_type} task needs "
-                            f"{', '.join(TASK_FIELDS[task_type])})")
-        if not isinstance(task[field], kind):
-            raise DataError(f"{where}: field '{field}' must be {kind.__name__}, got {type(task[field]).__name__}")
-    if task_type == "code":
-        if not task["test_cases"]:
-            raise DataError(f"{where}: 'test_cases' is empty")
-        for name, call in task["test_cases"].items():
-            if not isinstance(call, str) or not call.strip():
-                raise DataError(f"{where}: test case '{name}' must be a non-empty call expression")
-
-
-def load_tasks(path, task_type="code"):
-    """Tasks from a JSONL file or a `datasets` dataset saved on disk; each gets a `task_id`."""
-    path = Path(path)
-    if path.is_dir():  # datasets.save_to_disk output
-        import datasets
-        ds = datasets.load_from_disk(str(path))
-        if isinstance(ds, datasets.DatasetDict):
-            ds = ds[next(iter(ds))]
-        rows = [(i + 1, dict(r)) for i, r in enumerate(ds)]
-        if task_type == "code":  # datasets stores test_cases as a JSON string or a struct
-            for _, r in rows:
-                if isinstance(r.get("test_cases"), str):
-                    r["test_cases"] = json.loads(r["test_cases"])
-                if isinstance(r.get("test_cases"), dict):
-                    r["test_cases"] = {k: v for k, v in r["test_cases"].items() if v is not None}
-    else:
-        rows = read_jsonl(path)
-    tasks = []
-    for line, t in rows:
-        validate_task(t, task_type, where=f"{path}:{line}")
-        tasks.append(dict(t, task_id=task_id(t)))
-    return tasks
+def run(main, cls, doc):
+    """A stage's entry point: parse the command line, run, and turn bad input into one clear line
+    (file:line: what is wrong) instead of a traceback."""
+    args = parse_args(cls, doc)
+    try:
+        return main(args)
+    except (DataError, ServerError) as e:
+        sys.exit(f"error: {e}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -325,134 +310,6 @@ class ChatClient:
 
 
 # ----------------------------------------------------------------------------------------------
-# Prompts (ours, following the paper's protocol)
-# ----------------------------------------------------------------------------------------------
-AGENT_SYSTEM_PROMPT = {
-    "code": ("You help a human write one Python function. The human knows details you do not. "
-             "Ask one short question per turn about what you need to know, for at most 10 turns. "
-             f"When you know enough, reply with {ANSWER_MARKER} followed only by the Python function."),
-    "html": ("You help a human design one web page with HTML and Tailwind CSS. The human has a picture of the page "
-             "they want in mind. In each turn you may include at most one HTML snippet (<html>...</html>); it is "
-             "rendered and shown to the human, who tells you how it differs from what they want. Ask short "
-             f"questions, for at most 10 turns. When ready, reply with {ANSWER_MARKER} followed only by the full HTML."),
-}
-
-HUMAN_PROMPT = {
-    "code": ("You are a person who asked an assistant to write a Python function.\n"
-             "Your request: {problem_description}\n\n"
-             "HIDDEN INFORMATION (only you know it):\n{hidden_information}\nEND HIDDEN INFORMATION\n\n"
-             "Answer the assistant's last message using only the hidden information, in at most two "
-             "sentences. If the hidden information does not cover the question, say you don't know. "
-             "Never write code."),
-    "html": ("You are a person who asked an assistant to design a web page: {problem_description}\n"
-             "You will see up to two images: the assistant's page rendered (if it showed one) and the page you want. "
-             "Describe the most outstanding concrete differences between them (background and text colours, layout, "
-             "alignment, missing or extra sections, sizes) in at most three sentences. Never write code."),
-}
-
-
-def human_messages(task, dialogue, task_type="code", agent_image=None, target_image=None):
-    """The simulated human's chat request: our prompt as system, then the dialogue with roles
-    swapped (the agent speaks as `user` to the human model). For html, the agent's last message
-    also carries the two images as data URLs (its render, or a note that there is none; the target)."""
-    system = HUMAN_PROMPT[task_type].format(**task)
-    if task_type == "html":
-        content = [{"type": "text", "text": dialogue[-1]["content"][-2000:]}]
-        if agent_image is not None:
-            content += [{"type": "text", "text": "The assistant's page:"},
-                        {"type": "image_url", "image_url": {"url": image_to_data_url(agent_image)}}]
-        else:
-            content += [{"type": "text", "text": "The assistant has not shown a page in this message."}]
-        content += [{"type": "text", "text": "The page you want:"},
-                    {"type": "image_url", "image_url": {"url": image_to_data_url(target_image)}}]
-        return [{"role": "system", "content": system}, {"role": "user", "content": content}]
-    msgs = [{"role": "system", "content": system}]
-    for m in dialogue[1:]:  # dialogue[0] is the human's own request
-        msgs.append({"role": "user" if m["role"] == "assistant" else "assistant", "content": m["content"]})
-    return msgs
-
-
-# ----------------------------------------------------------------------------------------------
-# The scripted human (simulator.py's default backend) and the ground-truth credit of a turn
-# ----------------------------------------------------------------------------------------------
-STOPWORDS = set("""a an the is are was were be been to of in on for and or but with at by from as it its this that
-these those what which who whom whose how when where why do does did can could would should will shall may might must
-i you he she we they me my your our their us them please tell know need want like about any some there here if then
-so just also more most very much many than too not no yes okay ok thanks thank function python code write give
-let have has had get make use value values one""".split())
-
-
-def words(text):
-    """Lower-case content words; identifiers split at '_'; a plural 's' dropped."""
-    out = set()
-    for w in re.findall(r"[A-Za-z]+|\d+", text.replace("_", " ")):
-        w = w.lower()
-        if w in STOPWORDS or len(w) < 2 and not w.isdigit():
-            continue
-        out.add(w[:-1] if len(w) > 3 and w.endswith("s") else w)
-    return out
-
-
-def scripted_reply(hidden, question, max_lines=2):
-    """At most two hidden lines relevant to the question, else "I don't know"."""
-    q = words(question)
-    scored = []
-    for i, line in enumerate(l for l in hidden.splitlines() if l.strip()):
-        overlap = len(q & words(line))
-        if overlap:
-            scored.append((-overlap, i, line.strip()))
-    if not scored:
-        return "I don't know, sorry."
-    best = sorted(sorted(scored)[:max_lines], key=lambda s: s[1])  # the best lines, in original order
-    is_code = hidden.lstrip().startswith(("def ", "import ", "from ", "class "))
-    return ("\n" if is_code else " ").join(line for _, _, line in best)
-
-
-def revealed_facts(task, dialogue):
-    """Hidden-information lines the human has already said in `dialogue` (its user messages after
-    the request). Procedural tasks state each fact on one line, and the scripted human quotes lines."""
-    said = " ".join(m["content"] for m in dialogue[1:] if m["role"] == "user")
-    return {line.strip() for line in task["hidden_information"].splitlines() if line.strip() and line.strip() in said}
-
-
-def turn_class(task, dialogue, turn, last_turn=False, grade=None):
-    """Ground-truth credit of one candidate agent turn after `dialogue` (procedural code tasks with the
-    scripted human): 'good' for a question whose scripted reply reveals a fact not yet revealed, or
-    an answer whose code passes every test; 'bad' for a failing answer or a question that reveals
-    nothing new. A turn is an answer when it has the marker or is the dialogue's last allowed turn.
-    grade(code) -> success (default: grade_code in the sandbox)."""
-    if ANSWER_MARKER in turn or last_turn:
-        ok = grade(extract_answer(turn)) if grade else grade_code(task, extract_answer(turn))["success"]
-        return "good" if ok else "bad"
-    known = revealed_facts(task, dialogue)
-    reply = scripted_reply(task["hidden_information"], turn)
-    new = {l.strip() for l in task["hidden_information"].splitlines() if l.strip() and l.strip() in reply} - known
-    return "good" if new else "bad"
-
-
-def parse_hidden_information(system_prompt):
-    """Inverse of HUMAN_PROMPT for the scripted simulator: the hidden lines, or None."""
-    m = re.search(r"HIDDEN INFORMATION \(only you know it\):\n(.*?)\nEND HIDDEN INFORMATION", system_prompt, re.S)
-    return m.group(1) if m else None
-
-
-def agent_messages(task, dialogue, task_type="code"):
-    """The agent's chat: our system prompt, then the dialogue as the agent saw it."""
-    return [{"role": "system", "content": AGENT_SYSTEM_PROMPT[task_type]}] + \
-           [{"role": m["role"], "content": m["content"]} for m in dialogue]
-
-
-def extract_answer(text, task_type="code"):
-    """The final answer of an agent turn: what follows the marker (or the whole turn); for html,
-    the HTML extracted from it as released (empty when there is none)."""
-    if ANSWER_MARKER in text:
-        text = text.split(ANSWER_MARKER, 1)[1]
-    if task_type == "html":
-        return extract_html(text) or ""
-    return text.strip()
-
-
-# ----------------------------------------------------------------------------------------------
 # Models: the embedded default (SmolLM2-135M-Instruct from PyPI) and HF loading
 # ----------------------------------------------------------------------------------------------
 EMBEDDED = "embedded"
@@ -522,53 +379,6 @@ def seed_everything(seed):
         torch.manual_seed(seed)
     except ImportError:
         pass
-
-
-# ----------------------------------------------------------------------------------------------
-# Command lines: one @dataclass Args per script; each field's docstring becomes its --help.
-# ----------------------------------------------------------------------------------------------
-def parse_args(cls, doc=None, argv=None):
-    import argparse
-    import ast
-    import dataclasses
-    import inspect
-    helps = {}
-    body = ast.parse(inspect.getsource(cls)).body[0].body
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            helps[node.target.id] = nxt.value.value
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in dataclasses.fields(cls):
-        required = f.default is dataclasses.MISSING
-        h = helps.get(f.name, "").replace("%", "%%")  # argparse formats help with %
-        if not required and "default" not in h and not isinstance(f.default, bool):
-            h += f" (default: {f.default if f.default != '' else 'none'})"
-        if f.type in (bool, "bool"):  # a flag: --name sets it (True by default: --no_name clears it)
-            if f.default:
-                p.add_argument(f"--no_{f.name}", dest=f.name, action="store_false", help=h)
-            else:
-                p.add_argument(f"--{f.name}", action="store_true", help=h)
-        else:
-            kind = {"int": int, "float": float, "str": str}.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
-            p.add_argument(f"--{f.name}", type=kind, required=required, default=None if required else f.default, help=h)
-    return cls(**vars(p.parse_args(argv)))
-
-
-def refuse(*problems):
-    """Exit before any work when settings can't work together: each problem is a message or False."""
-    problems = [p for p in problems if p]
-    if problems:
-        sys.exit("error: " + "\n       ".join(problems))
-
-
-def run(main, cls, doc):
-    """A stage's entry point: parse the command line, run, and turn bad input into one clear line
-    (file:line: what is wrong) instead of a traceback."""
-    args = parse_args(cls, doc)
-    try:
-        return main(args)
-    except (DataError, ServerError) as e:
-        sys.exit(f"error: {e}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -662,11 +472,6 @@ def make_sampler(backend, model, temperature, top_p, max_new_tokens, seed, url="
 # The model's end-of-turn token after an output counts as part of that agent turn (so training
 # teaches the model to stop); the system prompt, user turns and the training-time prefix never count.
 # ----------------------------------------------------------------------------------------------
-def agent_turns(traj):
-    """[(input, output)] of a trajectory's agent turns, in order."""
-    return [(m["input"], m["output"]) for m in traj["dialogue_history"] if m["role"] == "assistant" and "input" in m]
-
-
 def tokenize_turns(tokenizer, turns, prefix="", max_len=None):
     """Token sequences for one trajectory. Returns a list of (ids, turn_of) where turn_of[i] is the
     agent-turn index that token i belongs to, or -1. With max_len, a longer sequence keeps the prefix
@@ -1002,69 +807,3 @@ def tqdm_if(it, show, desc):
     from tqdm import tqdm
     return tqdm(it, desc=desc) if show else it
 
-
-def trajectory_pairs(rows, task_type="code", min_gap=0.1):
-    """(chosen, rejected) trajectory pairs from graded rollouts, as released. Backend: per task the
-    best sample must succeed; every lower-reward sample of that task is a rejected partner.
-    Frontend: every two samples whose rewards (similarities) differ by at least min_gap."""
-    by_task = {}
-    for r in rows:
-        by_task.setdefault(r["task_id"], []).append(r)
-    pairs = []
-    for group in by_task.values():
-        group = sorted(group, key=lambda r: (-r["reward"], r.get("sample", 0)))
-        if task_type == "code":
-            best = group[0]
-            if best.get("success", best["reward"] >= 1.0):
-                pairs += [(best, r) for r in group[1:] if r["reward"] < best["reward"]]
-        else:
-            pairs += [(a, b) for i, a in enumerate(group) for b in group[i + 1:] if a["reward"] - b["reward"] >= min_gap]
-    return pairs
-
-
-def validate_trajectory(r, where, task_type=None):
-    """Raise DataError naming `where` (file:line) if a trajectory is malformed. The task is checked
-    fully when task_type is given, else only for the ground truth the critic needs."""
-    for field in ("task", "dialogue_history"):
-        if field not in r:
-            raise DataError(f"{where}: missing field '{field}' (a trajectory needs task, dialogue_history and answer)")
-    if not isinstance(r["task"], dict):
-        raise DataError(f"{where}: 'task' must be an object, got {type(r['task']).__name__}")
-    if task_type:
-        validate_task(r["task"], task_type, where)
-    elif not isinstance(r["task"].get("ground_truth"), str):
-        raise DataError(f"{where}: task.ground_truth must be a string (the critic's training-time information)")
-    if not isinstance(r["dialogue_history"], list):
-        raise DataError(f"{where}: 'dialogue_history' must be a list of messages")
-    for j, m in enumerate(r["dialogue_history"]):
-        if not (isinstance(m, dict) and m.get("role") in ("user", "assistant", "system") and isinstance(m.get("content"), str)):
-            raise DataError(f"{where}: dialogue_history[{j}] must be {{'role': user|assistant|system, 'content': str}}")
-        if m["role"] == "assistant" and "input" in m and not (isinstance(m["input"], str) and isinstance(m.get("output"), str)):
-            raise DataError(f"{where}: dialogue_history[{j}]: stored 'input' and 'output' must both be strings")
-    if not isinstance(r.get("answer", ""), (str, type(None))):
-        raise DataError(f"{where}: 'answer' must be a string or null")
-
-
-def load_graded(path, task_type=None):
-    """Graded trajectories (evaluate.py output); each needs `reward` and stored agent inputs/outputs.
-    Dialogues that ended in an infrastructure error (finish=error) are left out with a note: their
-    low reward says nothing about the agent."""
-    rows, errors = [], 0
-    for line, r in read_jsonl(path):
-        validate_trajectory(r, f"{path}:{line}", task_type)
-        if "reward" not in r:
-            raise DataError(f"{path}:{line}: missing 'reward' (grade rollouts with evaluate.py first)")
-        if not isinstance(r["reward"], (int, float)) or isinstance(r["reward"], bool):
-            raise DataError(f"{path}:{line}: 'reward' must be a number, got {r['reward']!r}")
-        r["task_id"] = r.get("task_id") or task_id(r["task"])
-        if not agent_turns(r):
-            raise DataError(f"{path}:{line}: no assistant turn with stored 'input' and 'output'")
-        if r.get("finish") == "error":
-            errors += 1
-            continue
-        rows.append(r)
-    if errors:
-        print(f"{path}: left out {errors} dialogues that ended with finish=error", file=sys.stderr)
-    if not rows:
-        raise DataError(f"{path}: no usable trajectories")
-    return rows

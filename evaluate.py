@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
+import colbench
 import common
 import sandbox
 import render
@@ -106,11 +107,11 @@ def load_trajectories(path, task_type="code"):
     derived when absent."""
     rows, counts = [], defaultdict(int)
     for line, r in common.read_jsonl(path):
-        common.validate_trajectory(r, f"{path}:{line}", task_type)
+        colbench.validate_trajectory(r, f"{path}:{line}", task_type)
         if "answer" not in r:
             raise common.DataError(f"{path}:{line}: missing field 'answer' (a trajectory needs task, dialogue_history "
                                    f"and answer)")
-        r["task_id"] = r.get("task_id") or common.task_id(r["task"])
+        r["task_id"] = r.get("task_id") or colbench.task_id(r["task"])
         if "sample" not in r:
             r["sample"] = counts[r["task_id"]]
         counts[r["task_id"]] += 1
@@ -148,7 +149,7 @@ def summarize(rows, k=1):
          "success_rate": mean([r.get("success", False) for r in rows]),
          "tests_passed": mean([r["reward"] for r in rows]),
          "mean_turns": mean([r.get("num_turns", sum(m["role"] == "assistant" for m in r["dialogue_history"])) for r in rows]),
-         "answered_rate": mean([r.get("finish", "answered" if common.ANSWER_MARKER in json.dumps(r["dialogue_history"]) else "")
+         "answered_rate": mean([r.get("finish", "answered" if colbench.ANSWER_MARKER in json.dumps(r["dialogue_history"]) else "")
                                 == "answered" for r in rows]),
          "errors": sum(r.get("finish") == "error" for r in rows),
          "timeouts": sum(r.get("timeouts", 0) > 0 for r in rows), "k": k,
@@ -205,7 +206,7 @@ def compare(args):
                 raise common.DataError(f"{path}:{line}: missing 'success' (pass graded trajectories from evaluate.py)")
         by = defaultdict(list)
         for r in rows:
-            by[r.get("task_id") or common.task_id(r["task"])].append(r)
+            by[r.get("task_id") or colbench.task_id(r["task"])].append(r)
         per_task[name] = {t: sum(bool(r["success"]) for r in v) / len(v) for t, v in by.items()}
         tests[name] = sum(r["reward"] for r in rows) / len(rows)
     base = next(iter(runs))
@@ -263,7 +264,7 @@ def main(args):
             ref = [r for _, r in common.read_jsonl(args.reference)]
             if ref and ref[0].get("metric") != s["metric"]:
                 sys.exit(f"{args.reference} was scored with {ref[0].get('metric')}, this run with {s['metric']}: not comparable")
-            s["win_rate"] = win_rate(rows, [dict(r, task_id=r.get("task_id") or common.task_id(r["task"])) for r in ref])
+            s["win_rate"] = win_rate(rows, [dict(r, task_id=r.get("task_id") or colbench.task_id(r["task"])) for r in ref])
     print_table(s, f"ColBench {'frontend' if args.task_type == 'html' else 'backend'}: {args.input}")
     if args.summary:
         common.write_text(args.summary, json.dumps(s, indent=2))

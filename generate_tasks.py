@@ -32,6 +32,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+import colbench
 import common
 import sandbox
 
@@ -263,8 +264,8 @@ def load_html_tasks(path):
     for line, r in rows:
         if "ground_truth" not in r and "text" in r:  # WebSight: text = HTML, llm_generated_idea = description
             r = {"problem_description": r.get("llm_generated_idea") or "A web page.", "ground_truth": r["text"]}
-        common.validate_task(r, "html", where=f"{path}:{line}")
-        tasks.append(dict(r, task_id=common.task_id(r)))
+        colbench.validate_task(r, "html", where=f"{path}:{line}")
+        tasks.append(dict(r, task_id=colbench.task_id(r)))
     return tasks
 
 
@@ -296,7 +297,7 @@ def parse_llm_task(text):
     if isinstance(t.get("test_cases"), list):
         t["test_cases"] = {f"test{i + 1}": c for i, c in enumerate(t["test_cases"])}
     try:
-        common.validate_task(t, "code")
+        colbench.validate_task(t, "code")
     except common.DataError:
         return None
     return {k: t[k] for k in ("problem_description", "hidden_information", "ground_truth", "test_cases")}
@@ -322,7 +323,7 @@ def main(args):
     if args.task_type not in ("code", "html"):
         sys.exit(f"--task_type {args.task_type}: choose code or html")
     common.check_writable(args.output)
-    exclude = {t["task_id"] for t in common.load_tasks(args.exclude, args.task_type)} if args.exclude else set()
+    exclude = {t["task_id"] for t in colbench.load_tasks(args.exclude, args.task_type)} if args.exclude else set()
     if args.task_type == "html":
         if args.source == "procedural":
             rng, tasks, seen = random.Random(args.seed), [], set(exclude)
@@ -330,7 +331,7 @@ def main(args):
                 if len(tasks) == args.num_tasks:
                     break
                 t = procedural_page(rng)
-                t["task_id"] = common.task_id(t)
+                t["task_id"] = colbench.task_id(t)
                 if t["task_id"] not in seen:
                     seen.add(t["task_id"])
                     tasks.append(t)
@@ -351,7 +352,7 @@ def main(args):
             if len(tasks) == args.num_tasks:
                 break
             t = procedural_task(rng, families=families)
-            t["task_id"] = common.task_id(t)
+            t["task_id"] = colbench.task_id(t)
             if t["task_id"] not in seen:
                 seen.add(t["task_id"])
                 tasks.append(t)
@@ -359,7 +360,7 @@ def main(args):
     elif args.source == "file":
         if not args.input:
             sys.exit("--source file needs --input PATH")
-        tasks = [t for t in common.load_tasks(args.input, args.task_type) if t["task_id"] not in exclude]
+        tasks = [t for t in colbench.load_tasks(args.input, args.task_type) if t["task_id"] not in exclude]
         tasks = tasks[: args.num_tasks or None]
     elif args.source == "llm":
         if not (args.endpoint and args.seed_texts):
@@ -371,7 +372,7 @@ def main(args):
                                     for s in texts[: args.num_tasks]], temperature=0.0, max_tokens=2048)
         parsed = [t for t in map(parse_llm_task, replies) if t]
         print(f"{len(parsed)}/{len(replies)} replies parsed as tasks", file=sys.stderr)
-        tasks = [dict(t, task_id=common.task_id(t)) for t in keep_runnable(parsed, args.workers)]
+        tasks = [dict(t, task_id=colbench.task_id(t)) for t in keep_runnable(parsed, args.workers)]
     else:
         sys.exit(f"--source {args.source}: choose procedural, file or llm")
     common.write_jsonl(args.output, tasks)

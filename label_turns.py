@@ -19,7 +19,7 @@ drawn from the better half by advantage, one from the worse half; the higher one
 Scoring shares work: the prompt (c + o_t) is run once, and the N candidates run as one batch
 on its KV cache (score_candidates); it equals naive one-by-one scoring (tests check 1e-4).
 
-Turn-credit accuracy (procedural code tasks): every candidate's true class (common.turn_class) is
+Turn-credit accuracy (procedural code tasks): every candidate's true class (colbench.turn_class) is
 stored in the states file, and each critic (--critic and --credit_critics) is scored on every two
 candidates of a state whose classes differ; printed and written to PAIRS.credit.json.
 
@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+import colbench
 import common
 import sandbox
 from train_critic import training_info, turn_advantage
@@ -189,10 +190,10 @@ def main(args):
     common.seed_everything(args.seed + shard)
     rng = random.Random(args.seed + shard)
 
-    graded = common.load_graded(args.trajectories)
+    graded = colbench.load_graded(args.trajectories)
     random.Random(args.seed).shuffle(graded)
     graded = graded[: max(1, round(args.data_fraction * len(graded)))]
-    states = [(t, i, inp) for t in graded for i, (inp, _) in enumerate(common.agent_turns(t))][shard::num_shards]
+    states = [(t, i, inp) for t in graded for i, (inp, _) in enumerate(colbench.agent_turns(t))][shard::num_shards]
 
     out_path = common.sharded_path(args.output, shard, num_shards)
     common.check_writable(out_path)
@@ -255,7 +256,7 @@ def label(args, todo, critic_dirs, critic_settings, ref_name, policy_name, rng, 
                 gt_results[task["task_id"]] = sandbox.run_calls(task["ground_truth"], list(task["test_cases"].items()))
             grade = lambda code: sandbox.grade_code(task, code, gt_results=gt_results[task["task_id"]])["success"]
             before = state_dialogue(traj, turn)
-            row["classes"] = [common.turn_class(task, before, c, turn >= args.max_turns - 1, grade) for c in candidates]
+            row["classes"] = [colbench.turn_class(task, before, c, turn >= args.max_turns - 1, grade) for c in candidates]
             row["advantages_by_critic"] = advantages
         state_log.write(row)
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
+import colbench
 import common
 import render
 
@@ -151,16 +152,16 @@ class OracleAgent:
         for ep in episodes:
             task = ep["task"]
             if ep["task_type"] == "html":
-                outs.append(f"{common.ANSWER_MARKER}\n{task['ground_truth'].strip()}")
+                outs.append(f"{colbench.ANSWER_MARKER}\n{task['ground_truth'].strip()}")
                 continue
             facts = [line.strip() for line in task["hidden_information"].splitlines() if line.strip()]
-            known = common.revealed_facts(task, ep["dialogue"])
+            known = colbench.revealed_facts(task, ep["dialogue"])
             turn = sum(m["role"] == "assistant" for m in ep["dialogue"])  # questions asked so far
             plan = self.rng(ep)
             budget = plan.randrange(len(facts)) if plan.random() < a.oracle_hasty else None
             if len(known) == len(facts) or (budget is not None and turn >= budget) or turn >= a.max_turns - 1:
                 code = task["ground_truth"].strip() if len(known) == len(facts) else guess_answer(task, known, plan)
-                outs.append(f"{common.ANSWER_MARKER}\n{code}")
+                outs.append(f"{colbench.ANSWER_MARKER}\n{code}")
             elif self.rng(ep, turn).random() < a.oracle_detour:
                 r = self.rng(ep, turn, "q")
                 repeat = sorted(known) and r.random() < 0.5
@@ -176,7 +177,7 @@ AGENTS = ("hf", "openai", "vllm", "oracle")
 # ----------------------------------------------------------------------------------------------
 def finish(ep, how, error=None):
     last = ep["dialogue"][-1]["content"] if ep["dialogue"][-1]["role"] == "assistant" else ""
-    row = {"task": ep["task"], "dialogue_history": ep["dialogue"], "answer": common.extract_answer(last, ep["task_type"]),
+    row = {"task": ep["task"], "dialogue_history": ep["dialogue"], "answer": colbench.extract_answer(last, ep["task_type"]),
            "task_id": ep["task"]["task_id"], "sample": ep["sample"],
            "num_turns": sum(m["role"] == "assistant" for m in ep["dialogue"]), "finish": how}
     return row if error is None else dict(row, error=error)
@@ -193,7 +194,7 @@ def main(args):
                   args.first_sample < 0 and "--first_sample must be >= 0")
     shard, num_shards = common.parse_shard(args.shard)
     common.seed_everything(args.seed + shard)
-    tasks = common.load_tasks(args.tasks, args.task_type)[: args.num_tasks or None]
+    tasks = colbench.load_tasks(args.tasks, args.task_type)[: args.num_tasks or None]
     jobs = [(t, k) for t in tasks for k in range(args.first_sample, args.first_sample + args.samples)][shard::num_shards]
     out_path = common.sharded_path(args.output, shard, num_shards)
     common.check_writable(out_path)
@@ -210,7 +211,7 @@ def main(args):
     agent = OracleAgent(args.agent_model, args) if args.agent_backend == "oracle" else common.make_sampler(
         args.agent_backend, args.agent_model, args.temperature, args.top_p, args.max_new_tokens, args.seed + shard,
         args.agent_url, args.batch_size, args.gpu_memory_utilization)
-    max_chars = common.HUMAN_MAX_CHARS[args.task_type]
+    max_chars = colbench.HUMAN_MAX_CHARS[args.task_type]
     pool = render.RenderPool(args.render_workers) if args.task_type == "html" else None
     targets = {}  # html: task_id -> the target page's render, once per task
 
@@ -220,7 +221,7 @@ def main(args):
             t, k = todo.popleft()
             active.append({"task": t, "sample": k, "task_type": args.task_type,
                            "dialogue": [{"role": "user", "content": t["problem_description"]}]})
-        prompts = [common.render_prompt(agent.tok, common.agent_messages(ep["task"], ep["dialogue"], args.task_type))
+        prompts = [common.render_prompt(agent.tok, colbench.agent_messages(ep["task"], ep["dialogue"], args.task_type))
                    for ep in active]
         too_long = [len(agent.tok(p, add_special_tokens=False)["input_ids"]) > args.max_prompt_tokens for p in prompts]
         ok = [i for i, bad in enumerate(too_long) if not bad]
@@ -236,21 +237,21 @@ def main(args):
             out = outputs[i]
             ep["dialogue"].append({"role": "assistant", "content": out, "input": prompts[i], "output": out})
             turns = sum(m["role"] == "assistant" for m in ep["dialogue"])
-            if common.ANSWER_MARKER in out:
+            if colbench.ANSWER_MARKER in out:
                 done.append(finish(ep, "answered"))
             elif turns >= args.max_turns:
                 done.append(finish(ep, "max_turns"))
             else:
                 ask.append(ep)
         if pool is None:
-            requests = [common.human_messages(ep["task"], ep["dialogue"], args.task_type) for ep in ask]
+            requests = [colbench.human_messages(ep["task"], ep["dialogue"], args.task_type) for ep in ask]
         else:  # render the target (once) and the agent's snippet, if its turn has one, for the human
             new = {ep["task"]["task_id"]: ep["task"]["ground_truth"] for ep in ask if ep["task"]["task_id"] not in targets}
             targets.update(zip(new, (img for img, _ in pool.render_many(list(new.values())))))
             snippets = [render.extract_html(ep["dialogue"][-1]["content"]) for ep in ask]
             renders = pool.render_many([s for s in snippets if s])
             agent_imgs = [renders.pop(0)[0] if s else None for s in snippets]
-            requests = [common.human_messages(ep["task"], ep["dialogue"], "html", img, targets[ep["task"]["task_id"]])
+            requests = [colbench.human_messages(ep["task"], ep["dialogue"], "html", img, targets[ep["task"]["task_id"]])
                         for ep, img in zip(ask, agent_imgs)]
         replies = human.chat_many(requests, errors=True, temperature=0.0, max_tokens=256)
         active = []

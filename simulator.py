@@ -10,7 +10,7 @@ completion, hf backend only; lets the `openai` agent backend be tested against i
 
 Backends:
 - scripted (default; deterministic, instant on CPU): reads the hidden information out of the
-  human prompt (common.HUMAN_PROMPT) and answers the agent's last message with at most two
+  human prompt (colbench.HUMAN_PROMPT) and answers the agent's last message with at most two
   hidden-information lines that share the most words with it (for code hidden information, the
   most relevant code lines), or says it doesn't know. Asked for a task in the JSON format of
   generate_tasks.LLM_PROMPT, it returns a procedural task, so the `llm` task source can be tested
@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import colbench
 import common
 import render
 
@@ -151,9 +152,9 @@ class ScriptedBackend:
             if images:
                 return design_feedback(images[0] if len(images) > 1 else None, images[-1])
             last = " ".join(p.get("text", "") for p in last if isinstance(p, dict))
-        hidden = common.parse_hidden_information(system)
+        hidden = colbench.parse_hidden_information(system)
         if hidden is not None:
-            return common.scripted_reply(hidden, last)
+            return colbench.scripted_reply(hidden, last)
         if '"test_cases"' in last and "ground_truth" in last:
             return scripted_task_writer(last)
         return "I don't know, sorry."

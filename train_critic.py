@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import colbench
 import common
 
 
@@ -121,15 +122,15 @@ def main(args):
     rank, world, device = common.init_distributed()
     torch.manual_seed(args.seed)
     tok = common.load_tokenizer(args.model)
-    graded = common.load_graded(args.trajectories)
-    pairs = common.trajectory_pairs(graded, args.task_type)
+    graded = colbench.load_graded(args.trajectories)
+    pairs = colbench.trajectory_pairs(graded, args.task_type)
     if not pairs:
         sys.exit(f"{args.trajectories}: no trajectory pairs (need tasks whose best sample succeeds and another "
                  f"sample with a lower reward; roll out more samples per task)")
     # trajectories used by some pair, tokenised once with c before the dialogue
     trajs = {id(t): t for pair in pairs for t in pair}
     for t in trajs.values():
-        t["turns"] = common.agent_turns(t)
+        t["turns"] = colbench.agent_turns(t)
         t["seqs"] = common.tokenize_turns(tok, t["turns"], training_info(t["task"], args.no_training_info), args.max_len)
     # hold out the pairs of 10% of the tasks
     task_ids = sorted({c["task_id"] for c, _ in pairs})

@@ -23,7 +23,7 @@ nll = NLL(a+); loss = the total loss; tokens_per_s = tokens forwarded per second
 
 Deviations from the paper / released code:
 1. Constant learning rate, no warm-up (the released recipe uses its framework's schedule).
-2. `trajectory` pairs (multi-turn DPO) are built like the critic's (common.trajectory_pairs).
+2. `trajectory` pairs (multi-turn DPO) are built like the critic's (colbench.trajectory_pairs).
 3. `--sft_on all` (ours) fine-tunes on every dialogue: the embedded warm-up on oracle dialogues.
 """
 from __future__ import annotations
@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import colbench
 import common
 
 
@@ -95,18 +96,18 @@ def build_examples(args):
                 if not isinstance(r.get(f), str):
                     raise common.DataError(f"{args.pairs}:{line}: '{f}' must be a string (expected label_turns.py output)")
         return [{"chosen": [(r["prompt"], r["chosen"])], "rejected": [(r["prompt"], r["rejected"])]} for _, r in rows]
-    graded = common.load_graded(args.trajectories)
+    graded = colbench.load_graded(args.trajectories)
     if args.mode == "trajectory":
-        return [{"chosen": common.agent_turns(c), "rejected": common.agent_turns(r)}
-                for c, r in common.trajectory_pairs(graded, args.task_type)]
+        return [{"chosen": colbench.agent_turns(c), "rejected": colbench.agent_turns(r)}
+                for c, r in colbench.trajectory_pairs(graded, args.task_type)]
     if args.task_type == "html":  # no notion of success: fine-tune on each task's best sample
         best = {}
         for r in graded:
             if r["task_id"] not in best or r["reward"] > best[r["task_id"]]["reward"]:
                 best[r["task_id"]] = r
-        return [{"chosen": common.agent_turns(r)} for r in best.values()]
+        return [{"chosen": colbench.agent_turns(r)} for r in best.values()]
     keep = lambda r: args.sft_on == "all" or r.get("success", r["reward"] >= 1.0)
-    return [{"chosen": common.agent_turns(r)} for r in graded if keep(r)]
+    return [{"chosen": colbench.agent_turns(r)} for r in graded if keep(r)]
 
 
 def main(args):

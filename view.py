@@ -26,6 +26,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import colbench
 import common
 
 
@@ -58,7 +59,7 @@ def turn_advantages(rows, critic_dir):
     out = []
     with torch.no_grad():
         for r in common.tqdm_if(rows, True, "advantages"):
-            turns = common.agent_turns(r)
+            turns = colbench.agent_turns(r)
             seqs = common.tokenize_turns(tok, turns, training_info(r["task"], settings.get("no_training_info", False)),
                                          settings.get("max_len"))
             logp, count = common.turn_logprobs(critic, seqs, len(turns))
@@ -202,7 +203,7 @@ def main(args):
                   args.critic and not (Path(args.critic) / "run_settings.json").exists()
                   and f"--critic {args.critic}: no run_settings.json (expected a train_critic.py output directory)")
     common.check_writable(args.output)
-    runs = {name: common.load_graded(path)[: args.max_dialogues] for name, path in files.items()}
+    runs = {name: colbench.load_graded(path)[: args.max_dialogues] for name, path in files.items()}
     states = {}
     if args.states:
         marks = {}

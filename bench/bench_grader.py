@@ -14,7 +14,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import common  # noqa: E402
+import colbench  # noqa: E402
 import sandbox  # noqa: E402
 import evaluate  # noqa: E402
 import generate_tasks  # noqa: E402
@@ -36,7 +36,7 @@ for _ in range(a.programs):
 bare = (time.time() - t0) / a.programs
 print(f"sandbox: {1000 * per:.1f} ms per program, one at a time (a bare `python -S -c pass`: {1000 * bare:.1f} ms); "
       f"mode: {' '.join(sandbox._sandbox[0][:2]) or 'no isolation'}, per-worker uid: {sandbox._sandbox[1]}")
-tasks = common.load_tasks(a.tasks) if a.tasks else \
+tasks = colbench.load_tasks(a.tasks) if a.tasks else \
     [generate_tasks.procedural_task(random.Random(i)) for i in range(a.num_tasks)]
 with tempfile.TemporaryDirectory() as d:
     path = os.path.join(d, "t.jsonl")

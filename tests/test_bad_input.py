@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+import colbench
 import common
 import evaluate
 import label_turns
@@ -49,11 +50,11 @@ def test_malformed_files_name_file_and_line(tmp_path):
     fails_with(evaluate.load_trajectories, bad_tests, match=r"traj3.jsonl:2: test case 'a' must be")
 
     graded = write(tmp_path / "g.jsonl", [TRAJ, TRAJ, {k: v for k, v in TRAJ.items() if k != "reward"}])
-    fails_with(common.load_graded, graded, match=r"g.jsonl:3: missing 'reward'")
+    fails_with(colbench.load_graded, graded, match=r"g.jsonl:3: missing 'reward'")
     text_reward = write(tmp_path / "g2.jsonl", [dict(TRAJ, reward="1.0")])
-    fails_with(common.load_graded, text_reward, match=r"g2.jsonl:1: 'reward' must be a number")
+    fails_with(colbench.load_graded, text_reward, match=r"g2.jsonl:1: 'reward' must be a number")
     no_inputs = write(tmp_path / "g3.jsonl", [dict(TRAJ, dialogue_history=[{"role": "assistant", "content": "x"}])])
-    fails_with(common.load_graded, no_inputs, match=r"g3.jsonl:1: no assistant turn with stored 'input'")
+    fails_with(colbench.load_graded, no_inputs, match=r"g3.jsonl:1: no assistant turn with stored 'input'")
 
     pairs = write(tmp_path / "pairs.jsonl", [{"prompt": "p", "chosen": "a", "rejected": "b"},
                                              {"prompt": "p", "chosen": ["a"], "rejected": "b"}])

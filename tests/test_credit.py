@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-import common
+import colbench
 import sandbox
 import evaluate
 import generate_tasks
@@ -17,7 +17,7 @@ from conftest import run_script
 
 def task(family, seed=0):
     t = generate_tasks.procedural_task(random.Random(seed), family)
-    t["task_id"] = common.task_id(t)
+    t["task_id"] = colbench.task_id(t)
     return t
 
 
@@ -26,18 +26,18 @@ def test_turn_classes_follow_the_rules():
     start = [{"role": "user", "content": t["problem_description"]}]
     facts = t["hidden_information"].splitlines()
     question = rollout.oracle_question(facts[0])
-    assert common.turn_class(t, start, question) == "good"  # reveals a fact not yet known
-    assert common.turn_class(t, start, "Should the code print anything?") == "bad"  # reveals nothing
+    assert colbench.turn_class(t, start, question) == "good"  # reveals a fact not yet known
+    assert colbench.turn_class(t, start, "Should the code print anything?") == "bad"  # reveals nothing
     after = start + [{"role": "assistant", "content": question},
-                     {"role": "user", "content": common.scripted_reply(t["hidden_information"], question)}]
-    assert common.revealed_facts(t, after) == set(facts)  # this human says both lines at once
-    assert common.turn_class(t, after, question) == "bad"  # asking again reveals nothing new
-    assert common.turn_class(t, after, f"{common.ANSWER_MARKER}\n{t['ground_truth']}") == "good"
+                     {"role": "user", "content": colbench.scripted_reply(t["hidden_information"], question)}]
+    assert colbench.revealed_facts(t, after) == set(facts)  # this human says both lines at once
+    assert colbench.turn_class(t, after, question) == "bad"  # asking again reveals nothing new
+    assert colbench.turn_class(t, after, f"{colbench.ANSWER_MARKER}\n{t['ground_truth']}") == "good"
     wrong = t["ground_truth"].replace("return ", "return 1 + ")
-    assert common.turn_class(t, after, f"{common.ANSWER_MARKER}\n{wrong}") == "bad"
+    assert colbench.turn_class(t, after, f"{colbench.ANSWER_MARKER}\n{wrong}") == "bad"
     # at the last allowed turn, whatever the agent writes is its answer
-    assert common.turn_class(t, after, t["ground_truth"], last_turn=True) == "good"
-    assert common.turn_class(t, after, question, last_turn=True) == "bad"
+    assert colbench.turn_class(t, after, t["ground_truth"], last_turn=True) == "good"
+    assert colbench.turn_class(t, after, question, last_turn=True) == "bad"
 
 
 def oracle(hasty, detour, seed=0):
@@ -51,9 +51,9 @@ def play(agent, t, sample):
     while True:
         out = agent.generate([None], [ep])[0]
         ep["dialogue"].append({"role": "assistant", "content": out})
-        if common.ANSWER_MARKER in out:
-            return ep["dialogue"], sandbox.grade_code(t, common.extract_answer(out))["success"]
-        ep["dialogue"].append({"role": "user", "content": common.scripted_reply(t["hidden_information"], out)})
+        if colbench.ANSWER_MARKER in out:
+            return ep["dialogue"], sandbox.grade_code(t, colbench.extract_answer(out))["success"]
+        ep["dialogue"].append({"role": "user", "content": colbench.scripted_reply(t["hidden_information"], out)})
 
 
 def test_hasty_oracle_mix_is_seeded_and_guesses_fail():
@@ -67,12 +67,22 @@ def test_hasty_oracle_mix_is_seeded_and_guesses_fail():
     # before every fact was revealed, the guessed constants fail (except where the unheard fact holds
     # no constant, e.g. aggregate's "Return their total.")
     early = [ok for (d, ok), t in zip(results[1.0, 0.0], tasks)
-             if common.revealed_facts(t, d) != set(t["hidden_information"].splitlines()) and t["family"] != "aggregate"]
+             if colbench.revealed_facts(t, d) != set(t["hidden_information"].splitlines()) and t["family"] != "aggregate"]
     assert len(early) >= 20 and sum(early) <= 0.1 * len(early)
     mixed = results[0.5, 0.5]
     assert 0.2 < sum(ok for _, ok in mixed) / len(mixed) < 0.9
     detours = sum(m["content"] in rollout.DETOURS for d, _ in mixed for m in d)
     assert detours > 0
+    # a wasted question asks again about a revealed fact (a repeat) or about nothing the facts cover
+    repeats = [(t, d[:i], m["content"]) for (d, _), t in zip(mixed, tasks) for i, m in enumerate(d)
+               if m["role"] == "assistant" and colbench.ANSWER_MARKER not in m["content"]
+               and m["content"] not in rollout.DETOURS and colbench.turn_class(t, d[:i], m["content"]) == "bad"]
+    assert repeats and all(colbench.revealed_facts(t, before) for t, before, _ in repeats)
+    # a wasted question spends a hasty dialogue's budget: with every question wasted, no fact is learned
+    agent, agent.args = oracle(1.0, 1.0)
+    wasted = [play(agent, t, 0) for t in tasks]
+    assert all(not colbench.revealed_facts(t, d) for (d, _), t in zip(wasted, tasks))
+    assert sum(len(d) > 2 for d, _ in wasted) >= 10  # and the budget was spent asking, not answering at once
     agent, agent.args = oracle(0.5, 0.5)  # same seed, same dialogues
     assert [play(agent, t, 0) for t in tasks] == mixed
 
@@ -92,9 +102,9 @@ def test_trajectory_pairs_rules():
     rows = [row("a", 0, 1.0), row("a", 1, 0.5), row("a", 2, 1.0), row("a", 3, 0.0),  # best succeeds: pairs with lower ones
             row("b", 0, 0.9), row("b", 1, 0.1),  # best does not succeed: no pair (code)
             row("c", 0, 1.0)]  # a single sample: no pair
-    pairs = common.trajectory_pairs(rows, "code")
+    pairs = colbench.trajectory_pairs(rows, "code")
     assert [(c["task_id"], c["sample"], r["sample"]) for c, r in pairs] == [("a", 0, 1), ("a", 0, 3)]  # ties never pair
-    html = common.trajectory_pairs([row("h", 0, 0.8), row("h", 1, 0.75), row("h", 2, 0.6), row("h", 3, 0.2)], "html")
+    html = colbench.trajectory_pairs([row("h", 0, 0.8), row("h", 1, 0.75), row("h", 2, 0.6), row("h", 3, 0.2)], "html")
     assert [(c["sample"], r["sample"]) for c, r in html] == [(0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]  # gap >= 0.1, not 0.05
 
 

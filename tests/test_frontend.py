@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+import colbench
 import common
 import render
 import evaluate
@@ -82,7 +83,7 @@ def test_html_extraction_follows_released_rules():
     assert render.extract_html("text <html><body>a</body></html> more <html>b</html>") == "<html><body>a</body></html>"
     assert render.extract_html("x <BODY class='p'>b</BODY> y") == "<BODY class='p'>b</BODY>"
     assert render.extract_html("no page here") is None
-    assert common.extract_answer("I WANT TO ANSWER: <html>z</html>", "html") == "<html>z</html>"
+    assert colbench.extract_answer("I WANT TO ANSWER: <html>z</html>", "html") == "<html>z</html>"
 
 
 def test_procedural_pages_are_deterministic_and_import_websight(tmp_path):

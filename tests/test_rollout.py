@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+import colbench
 import common
 from conftest import read_jsonl, run_script
 
@@ -21,7 +22,7 @@ def test_hf_rollout_schema_resume_and_reproducible(tiny_model, task_files, simul
     for r in first:
         assert set(r) >= {"task", "dialogue_history", "answer", "task_id", "sample", "num_turns", "finish"}
         last = [m for m in r["dialogue_history"] if m["role"] == "assistant"][-1]["content"]
-        assert r["finish"] == ("answered" if common.ANSWER_MARKER in last else "max_turns")
+        assert r["finish"] == ("answered" if colbench.ANSWER_MARKER in last else "max_turns")
         assert r["num_turns"] == 3 or r["finish"] == "answered"  # only the marker ends a dialogue early
         roles = [m["role"] for m in r["dialogue_history"]]
         assert roles[0] == "user" and roles[1::2] == ["assistant"] * r["num_turns"]

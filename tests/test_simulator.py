@@ -5,6 +5,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+import colbench
 import common
 
 TASK = {"problem_description": "Label a score. The signature of the function is: def grade_exam(score)",
@@ -15,23 +16,23 @@ TASK = {"problem_description": "Label a score. The signature of the function is:
 def ask(url, question):
     client = common.ChatClient(url)
     dialogue = [{"role": "user", "content": TASK["problem_description"]}, {"role": "assistant", "content": question}]
-    return client.chat(common.human_messages(TASK, dialogue), temperature=0.0)
+    return client.chat(colbench.human_messages(TASK, dialogue), temperature=0.0)
 
 
 def test_models_and_scripted_answers(simulator_url):
     assert common.ChatClient(simulator_url).model == "scripted-human"
     reply = ask(simulator_url, "What score gets the label gold?")
-    assert "62" in reply and "shop" not in reply and len(reply) <= common.HUMAN_MAX_CHARS["code"]
+    assert "62" in reply and "shop" not in reply and len(reply) <= colbench.HUMAN_MAX_CHARS["code"]
     assert ask(simulator_url, "What is your favourite colour?") == "I don't know, sorry."
     assert ask(simulator_url, "When does the shop open?") == "The shop opens at 9."
 
 
 def test_scripted_reply_at_most_two_lines_and_code_lines():
     hidden = "a b c\nscore rule one\nscore rule two\nscore rule three"
-    assert common.scripted_reply(hidden, "what is the score rule?").count("score rule") == 2
+    assert colbench.scripted_reply(hidden, "what is the score rule?").count("score rule") == 2
     code = "def f(price, qty):\n    discount = 0.15\n    return price * qty * (1 - discount)"
-    assert common.scripted_reply(code, "Is there a discount?") == "discount = 0.15\nreturn price * qty * (1 - discount)"
-    assert common.scripted_reply(code, "What about the weather?") == "I don't know, sorry."
+    assert colbench.scripted_reply(code, "Is there a discount?") == "discount = 0.15\nreturn price * qty * (1 - discount)"
+    assert colbench.scripted_reply(code, "What about the weather?") == "I don't know, sorry."
 
 
 def test_bad_requests_get_400_and_unknown_routes_404(simulator_url):

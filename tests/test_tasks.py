@@ -4,6 +4,7 @@ import random
 
 import pytest
 
+import colbench
 import common
 import sandbox
 import generate_tasks
@@ -53,10 +54,10 @@ def test_file_source_reports_bad_lines(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(good) + "\n" + "{not json\n")
     with pytest.raises(common.DataError, match=r"bad.jsonl:2: not valid JSON"):
-        common.load_tasks(bad)
+        colbench.load_tasks(bad)
     bad.write_text(json.dumps(good) + "\n" + json.dumps({k: v for k, v in good.items() if k != "test_cases"}) + "\n")
     with pytest.raises(common.DataError, match=r"bad.jsonl:2: missing field 'test_cases'"):
-        common.load_tasks(bad)
+        colbench.load_tasks(bad)
     p = __import__("subprocess").run([__import__("sys").executable, "generate_tasks.py", "--source", "file", "--input",
                                       str(bad), "--output", str(tmp_path / "o.jsonl")], capture_output=True, text=True,
                                      cwd=common.Path(common.__file__).parent)
@@ -73,7 +74,7 @@ def test_file_source_reads_jsonl_and_datasets_dirs(tmp_path):
     out = read_jsonl(tmp_path / "out.jsonl")
     assert [{k: t[k] for k in tasks[0]} for t in out] == tasks and all(len(t["task_id"]) == 12 for t in out)
     datasets.Dataset.from_list([dict(t, test_cases=json.dumps(t["test_cases"])) for t in tasks]).save_to_disk(tmp_path / "ds")
-    assert [t["task_id"] for t in common.load_tasks(tmp_path / "ds")] == [t["task_id"] for t in out]
+    assert [t["task_id"] for t in colbench.load_tasks(tmp_path / "ds")] == [t["task_id"] for t in out]
 
 
 def test_llm_source_against_local_server(tmp_path, simulator_url):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import colbench
 import common
 import label_turns
 import train_critic
@@ -18,7 +19,7 @@ def make_traj(tok, task, outputs, replies, reward, sample=0):
     """A trajectory in the released schema, with inputs rendered exactly as rollout.py renders them."""
     dialogue = [{"role": "user", "content": task["problem_description"]}]
     for out, reply in zip(outputs, replies + [None]):
-        inp = common.render_prompt(tok, common.agent_messages(task, dialogue))
+        inp = common.render_prompt(tok, colbench.agent_messages(task, dialogue))
         dialogue.append({"role": "assistant", "content": out, "input": inp, "output": out})
         if reply is not None:
             dialogue.append({"role": "user", "content": reply})
@@ -53,7 +54,7 @@ def test_one_forward_equals_per_turn_forwards(tok_model):
     tok, model = tok_model
     traj = make_traj(tok, TASK, ["What factor?", "Is it 2?", "I WANT TO ANSWER: def f(x): return 2*x"],
                      ["Double it.", "I don't know."], 1.0)
-    turns = common.agent_turns(traj)
+    turns = colbench.agent_turns(traj)
     prefix = train_critic.training_info(TASK)
     seqs = common.tokenize_turns(tok, turns, prefix)
     assert len(seqs) == 1  # prefix-consistent chat: the whole trajectory is one sequence
@@ -79,7 +80,7 @@ def test_critic_score_and_loss_by_hand(tok_model):
     rejected = make_traj(tok, TASK, ["I WANT TO ANSWER: def f(x): return x"], [], 0.0, sample=1)
     scores = {}
     for name, traj in (("c", chosen), ("r", rejected)):
-        turns = common.agent_turns(traj)
+        turns = colbench.agent_turns(traj)
         seqs = common.tokenize_turns(tok, turns, train_critic.training_info(TASK))
         with torch.no_grad():
             s, n = common.turn_logprobs(model, seqs, len(turns))
@@ -99,7 +100,7 @@ def test_only_agent_tokens_count(tok_model):
     tok, model = tok_model
     a = make_traj(tok, TASK, ["Q1?", "I WANT TO ANSWER: x"], ["short"], 1.0)
     b = make_traj(tok, TASK, ["Q1?", "I WANT TO ANSWER: x"], ["a much longer reply from the user here"], 1.0)
-    sa, sb, sc = (common.tokenize_turns(tok, common.agent_turns(t), p) for t, p in ((a, "prefix"), (b, "prefix"),
+    sa, sb, sc = (common.tokenize_turns(tok, colbench.agent_turns(t), p) for t, p in ((a, "prefix"), (b, "prefix"),
                                                                                      (a, "other c " * 20)))
     agent = lambda s: [i for i, k in zip(*s[0]) if k >= 0]
     assert agent(sa) == agent(sb) == agent(sc) and len(agent(sa)) > 0
@@ -114,7 +115,7 @@ def test_label_turns_advantage_equals_critic_score(tok_model, tiny_model, tmp_pa
     with torch.no_grad():
         for p in critic.parameters():
             p.add_(0.02 * torch.randn_like(p))
-    prompt = common.render_prompt(tok, common.agent_messages(TASK, [{"role": "user", "content": TASK["problem_description"]}]))
+    prompt = common.render_prompt(tok, colbench.agent_messages(TASK, [{"role": "user", "content": TASK["problem_description"]}]))
     cands = ["What is the factor?", "I WANT TO ANSWER: def f(x): return x * 2", "ok"]
     prefix = train_critic.training_info(TASK)
     p_ids, c_ids = label_turns.encode_state(tok, prefix, prompt, cands, 4096)
@@ -133,7 +134,7 @@ def test_label_turns_advantage_equals_critic_score(tok_model, tiny_model, tmp_pa
 
 def test_prefix_reuse_scoring_equals_naive(tok_model):
     tok, model = tok_model
-    prompt = common.render_prompt(tok, common.agent_messages(TASK, [{"role": "user", "content": TASK["problem_description"]}]))
+    prompt = common.render_prompt(tok, colbench.agent_messages(TASK, [{"role": "user", "content": TASK["problem_description"]}]))
     cands = ["What is the factor?", "I WANT TO ANSWER: def f(x): return x * 2", "?", "Tell me more about x please"]
     prefix = train_critic.training_info(TASK)
     p_ids, c_ids = label_turns.encode_state(tok, prefix, prompt, cands, 4096)
@@ -237,7 +238,7 @@ def test_nll_term_is_mean_chosen_nll(tok_model, tiny_model, tmp_path):
     (tmp_path / "g.jsonl").write_text(json.dumps(traj) + "\n")
     run_script("train_dpo.py", "--mode", "sft", "--trajectories", tmp_path / "g.jsonl", "--model", tiny_model,
                "--output_dir", tmp_path / "sft", "--lr", "1e-3", "--batch_size", "1")
-    turns = common.agent_turns(traj)
+    turns = colbench.agent_turns(traj)
     n_tokens = sum(len(tok(out, add_special_tokens=False)["input_ids"]) + 1 for _, out in turns)  # + end-of-turn
     with torch.no_grad():
         manual = -sum(naive_turn_logprobs(model, tok, turns)) / n_tokens
@@ -251,8 +252,8 @@ def test_truncation_keeps_training_information(tok_model):
     long_traj = make_traj(tok, TASK, ["What factor? " * 30, "I WANT TO ANSWER: def f(x): return x * 2"], ["Double it. " * 30], 1.0)
     prefix = train_critic.training_info(TASK)
     n_pre = len(tok(prefix, add_special_tokens=False)["input_ids"])
-    full = common.tokenize_turns(tok, common.agent_turns(long_traj), prefix)[0][0]
-    ids, turn_of = common.tokenize_turns(tok, common.agent_turns(long_traj), prefix, max_len=n_pre + 40)[0]
+    full = common.tokenize_turns(tok, colbench.agent_turns(long_traj), prefix)[0][0]
+    ids, turn_of = common.tokenize_turns(tok, colbench.agent_turns(long_traj), prefix, max_len=n_pre + 40)[0]
     assert len(ids) == n_pre + 40 and ids[:n_pre] == full[:n_pre] and ids[n_pre:] == full[-40:]
     assert turn_of[:n_pre] == [-1] * n_pre and turn_of[-1] == 1  # c never counts; the last turn survives
     cands = ["I WANT TO ANSWER: x"]

@@ -16,8 +16,8 @@ Deviations from the released grader (the default):
 1. Code is exec'd at module level, so top-level imports, helper functions and recursion work
    (the released grader exec'd inside a function, where they raise NameError).
 2. No substring blacklist: safety comes from the sandbox, not from zeroing answers that mention
-   `open(` or `import os`. `--released_semantics` restores both quirks (the blacklist is our
-   approximation of the released one: sandbox.RELEASED_BLACKLIST).
+   `import os` or `exit(`. `--released_semantics` restores both quirks, with the released blacklist
+   (sandbox.RELEASED_BLACKLIST), fence rule and 1 s per answer test.
 """
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def grade_all(rows, args):
     calls = lambda t: list(t["test_cases"].items())
     with ThreadPoolExecutor(workers) as pool:
         gt = dict(zip(tasks, tqdm(pool.map(lambda t: sandbox.run_calls(t["ground_truth"], calls(t), args.timeout,
-                                                                      args.released_semantics), tasks.values()),
+                                                                      args.released_semantics, trusted=True), tasks.values()),
                                   total=len(tasks), desc="ground truths")))
         grades = list(tqdm(pool.map(lambda r: sandbox.grade_code(r["task"], r["answer"], args.timeout, args.released_semantics,
                                                                 gt[r["task_id"]]), rows), total=len(rows), desc="answers"))

@@ -51,14 +51,47 @@ def main():
         except Exception:
             calls.append((name, None, None, None, c))  # not literal: evaluated after the code loads
     # 2. The encoder and the writer, bound now to the builtins as they are (the code may patch them).
+    #    Values are encoded by exact type (a subclass is not its base), so whatever the code defines,
+    #    only data of these types reaches the comparison; namedtuples count as tuples (tuple's __eq__).
+    import collections, datetime, decimal, fractions, signal
     typ, esc, frepr, irepr, hexb, dict_items, isfinite = (type, json.encoder.encode_basestring_ascii,
         float.__repr__, int.__repr__, bytes.hex, dict.items, math.isfinite)
     NoneT, Bool, Int, Float, Str, Complex, Bytes = type(None), bool, int, float, str, complex, bytes
     List, Tuple, Set, FSet, Dict = list, tuple, set, frozenset, dict
     seqs = {List: "list", Tuple: "tuple", Set: "set", FSet: "frozenset"}
     write, fd, BaseExc, exit_now = os.write, job["fd"], BaseException, os._exit
+    maps = {Dict: "dict", collections.Counter: "Counter", collections.OrderedDict: "OrderedDict",
+            collections.defaultdict: "defaultdict"}
+    DT, Date, Time, TD, TZ = (datetime.datetime, datetime.date, datetime.time, datetime.timedelta,
+                              datetime.timezone)
+    Dec, Frac, dec_str, tuple_iter = decimal.Decimal, fractions.Fraction, decimal.Decimal.__str__, tuple.__iter__
+    mro_of, dict_of, issub = type.__dict__["__mro__"].__get__, type.__dict__["__dict__"].__get__, issubclass
+    known_types = {v: k for k, v in vars(builtins).items() if typ(v) is type}
+    known_types.update({c: "datetime." + c.__name__ for c in (DT, Date, Time, TD, TZ)})
+    known_types.update({Dec: "decimal.Decimal", Frac: "fractions.Fraction"})
+    known_types.update({c: "collections." + n for c, n in maps.items() if c is not Dict})
+    np = None
+    if "numpy" in job["code"]:  # read-only numpy, imported before the code so its types are the real ones
+        sys.path.insert(0, job["site"])
+        try:
+            import numpy as np
+            np_scalars = {t for t in set(np.sctypeDict.values()) if np.dtype(t).kind in "biufcU"}
+            nd, nd_tolist, nd_dtype, nd_shape = (np.ndarray, np.ndarray.tolist, np.ndarray.dtype.__get__,
+                                                 np.ndarray.shape.__get__)
+            np_item, dtype_str = np.generic.item, np.dtype.str.__get__
+        except ImportError:
+            np = None
     class Unencodable(Exception):
         pass
+    class CallTimeout(BaseException):
+        pass
+    def plain_tuple(t):  # a tuple subclass that keeps tuple's own comparison
+        for c in mro_of(t):
+            if c is Tuple:
+                return True
+            if "__eq__" in dict_of(c) or "__ne__" in dict_of(c):
+                return False
+        return False
     def enc(x, budget, depth):
         budget[0] -= 1
         if budget[0] < 0 or depth > 50:
@@ -84,9 +117,36 @@ def main():
             return '["bytes","' + hexb(x) + '"]'
         if t in seqs:
             return '["' + seqs[t] + '",[' + ",".join([enc(v, budget, depth + 1) for v in x]) + "]]"
-        if t is Dict:
-            return '["dict",[' + ",".join(["[" + enc(k, budget, depth + 1) + "," + enc(v, budget, depth + 1) + "]"
-                                          for k, v in dict_items(x)]) + "]]"
+        if t in maps:
+            return '["' + maps[t] + '",[' + ",".join(["[" + enc(k, budget, depth + 1) + "," + enc(v, budget, depth + 1) + "]"
+                                                     for k, v in dict_items(x)]) + "]]"
+        if issub(t, Tuple) and plain_tuple(t):  # a namedtuple
+            return '["tuple",[' + ",".join([enc(v, budget, depth + 1) for v in tuple_iter(x)]) + "]]"
+        if t is TD:
+            return '["timedelta",[' + ",".join([irepr(x.days), irepr(x.seconds), irepr(x.microseconds)]) + "]]"
+        if t is Date:
+            return '["date",[' + ",".join([irepr(x.year), irepr(x.month), irepr(x.day)]) + "]]"
+        if t is DT or t is Time:
+            tz = x.tzinfo
+            if tz is not None and typ(tz) is not TZ:
+                raise Unencodable("unsupported tzinfo")
+            off = "null" if tz is None else enc(tz.utcoffset(None), budget, depth + 1)
+            hms = [irepr(x.hour), irepr(x.minute), irepr(x.second), irepr(x.microsecond), irepr(x.fold)]
+            ymd = [irepr(x.year), irepr(x.month), irepr(x.day)] if t is DT else []
+            return '["' + ("datetime" if t is DT else "time") + '",[' + ",".join(ymd + hms + [off]) + "]]"
+        if t is TZ:
+            return '["timezone",' + enc(x.utcoffset(None), budget, depth + 1) + "]"
+        if t is Dec:
+            return '["Decimal",' + esc(dec_str(x)) + "]"
+        if t is Frac:
+            return '["Fraction",[' + enc(x.numerator, budget, depth + 1) + "," + enc(x.denominator, budget, depth + 1) + "]]"
+        if np is not None and t in np_scalars:
+            return '["np",[' + esc(dtype_str(np.dtype(t))) + "," + enc(np_item(x), budget, depth + 1) + "]]"
+        if np is not None and t is nd and nd_dtype(x).kind in "biufcU":
+            return ('["ndarray",[' + esc(dtype_str(nd_dtype(x))) + ",[" + ",".join(irepr(n) for n in nd_shape(x)) + "],"
+                    + enc(nd_tolist(x), budget, depth + 1) + "]]")
+        if t is type:
+            return '["type",' + esc(known_types[x]) + "]" if x in known_types else '["opaque",null]'
         raise Unencodable("unsupported type")
     def emit(name, status, payload):
         data = ("[" + esc(name) + ',"' + status + '",' + payload + "]\n").encode()
@@ -106,6 +166,10 @@ def main():
         resource.setrlimit(resource.RLIMIT_NPROC, (job["nproc"], job["nproc"]))
     sys.setrecursionlimit(3000)
     # 4. Load the untrusted code and run each call.
+    if job["call_timeout"]:
+        def on_alarm(*_):
+            raise CallTimeout
+        signal.signal(signal.SIGALRM, on_alarm)
     g = {"__name__": "__colbench__", "__builtins__": builtins}
     loc = {} if job["released"] else g  # released quirk: code exec'd in a function's locals
     err = None
@@ -118,12 +182,21 @@ def main():
             emit(name, "exception", err)
             continue
         try:
+            if job["call_timeout"]:
+                signal.setitimer(signal.ITIMER_REAL, job["call_timeout"])
             if fn is None:
                 value = eval(c, g, loc)
             else:
                 f = loc[fn] if fn in loc else g[fn] if fn in g else getattr(builtins, fn)
                 value = f(*args, **kwargs)
+            if job["call_timeout"]:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except CallTimeout:
+            emit(name, "timeout", '"no result in the released 1 s"')
+            continue
         except BaseExc as e:
+            if job["call_timeout"]:
+                signal.setitimer(signal.ITIMER_REAL, 0)
             emit(name, "exception", reason(e))
             continue
         try:
@@ -141,13 +214,38 @@ _SANDBOX_ENV = {"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0", "TZ": "UTC", "LA
 SANDBOX_PYTHON = os.path.realpath(sys.executable)  # the real interpreter: the child needs no venv (-S)
 SANDBOX_MAX_PROCS = 64
 SANDBOX_TMP_BYTES = 64 << 20
+SANDBOX_SITE = ""  # numpy's read-only folder as the sandboxed code sees it (set with the sandbox)
+RELEASED_CALL_TIMEOUT = 1.0  # released: each answer test under a 1 s alarm; the ground truth has none
 _sandbox = None  # (command prefix, drops uid, private tmp) decided once per process
 
 
+def _numpy_dirs():
+    """numpy's package folders (numpy, numpy.libs) in this environment, offered read-only to the code."""
+    import importlib.util
+    spec = importlib.util.find_spec("numpy")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    pkg = Path(list(spec.submodule_search_locations)[0])
+    return [d for d in (pkg, pkg.with_name("numpy.libs")) if d.is_dir()]
+
+
+def _site_dir(bwrap):
+    """The folder put on the sandboxed code's sys.path: numpy alone, never the rest of this environment."""
+    global SANDBOX_SITE
+    if bwrap:
+        SANDBOX_SITE = "/opt/sweetrl-site"
+        return [a for d in _numpy_dirs() for a in ("--ro-bind", str(d), f"{SANDBOX_SITE}/{d.name}")]
+    SANDBOX_SITE = tempfile.mkdtemp(prefix="sweetrl-site-")
+    os.chmod(SANDBOX_SITE, 0o755)  # readable by the dropped uid
+    for d in _numpy_dirs():
+        os.symlink(d, Path(SANDBOX_SITE, d.name))
+    return []
+
+
 def _bwrap_args():
-    """A filesystem with only /usr, the interpreter's prefix (read-only) and a private /tmp."""
+    """A filesystem with only /usr, the interpreter's prefix and numpy (read-only), and a private /tmp."""
     a = ["--perms", "1777", "--size", str(SANDBOX_TMP_BYTES), "--tmpfs", "/tmp", "--ro-bind", "/usr", "/usr",
-         "--proc", "/proc", "--dev", "/dev"]
+         "--proc", "/proc", "--dev", "/dev", *_site_dir(bwrap=True)]
     for d in ("bin", "lib", "lib64", "sbin"):
         p = Path("/" + d)
         if p.is_symlink():
@@ -179,11 +277,13 @@ def _choose_sandbox():
     elif root and shutil.which("unshare"):
         print("sweetrl sandbox: bubblewrap is missing (apt install bubblewrap), so sandboxed code sees the host's "
               "files (as an unprivileged uid); pid and network namespaces still apply", file=sys.stderr)
+        _site_dir(bwrap=False)
         return ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--net"], True, False
     else:
         missing = "bubblewrap is missing (apt install bubblewrap) and this is not root"
     print(f"sweetrl sandbox: WARNING {missing}: untrusted code runs only in a separate process with resource "
           "limits, under your uid, with your files and network reachable", file=sys.stderr)
+    _site_dir(bwrap=False)
     return [], False, False
 
 
@@ -253,10 +353,11 @@ def _remove_cgroup(d):
             time.sleep(0.02)
 
 
-def run_calls(code, calls, timeout=10.0, released=False, mem_mb=1024):
+def run_calls(code, calls, timeout=10.0, released=False, mem_mb=1024, trusted=False):
     """Run `code`, then each (name, call expression), in a sandbox. Returns {name: (status, value)}:
     ("ok", plain Python data) or (exception | unencodable | timeout | crash | infrastructure, reason).
-    Never raises: an infrastructure failure is a status, so a run always goes on."""
+    Never raises: an infrastructure failure is a status, so a run always goes on. With `released`,
+    each call of a non-`trusted` program (an answer, not a ground truth) has the released 1 s."""
     global _sandbox, _uids
     calls = list(calls)
     try:
@@ -265,15 +366,16 @@ def run_calls(code, calls, timeout=10.0, released=False, mem_mb=1024):
         if _uids.pid != os.getpid():  # a forked worker process gets uids of its own
             _uids = _UidPool()
         with _uids as uid:
-            return _run_sandboxed(code, calls, timeout, released, mem_mb, uid)
+            return _run_sandboxed(code, calls, timeout, released, mem_mb, uid, trusted)
     except Exception as e:  # e.g. no pipes or processes left: the run goes on, the test is unjudged
         return {name: ("infrastructure", f"{type(e).__name__}: {e}") for name, _ in calls}
 
 
-def _run_sandboxed(code, calls, timeout, released, mem_mb, uid):
+def _run_sandboxed(code, calls, timeout, released, mem_mb, uid, trusted):
     prefix, drops_uid, private_tmp = _sandbox
     r_fd, w_fd = os.pipe()
-    job = json.dumps({"code": code, "calls": calls, "released": released, "fd": w_fd,
+    job = json.dumps({"code": code, "calls": calls, "released": released, "fd": w_fd, "site": SANDBOX_SITE,
+                      "call_timeout": RELEASED_CALL_TIMEOUT if released and not trusted else 0,
                       "uid": uid if drops_uid else 0, "nproc": SANDBOX_MAX_PROCS})
     cgroup = _new_pids_cgroup()
     tmp = None if private_tmp else tempfile.mkdtemp(prefix="sweetrl-sandbox-")
@@ -348,7 +450,7 @@ def _collect(proc, r_fd, job, calls, timeout):
                 forked = True
             elif status == "ok":
                 results[name] = ("ok", _decode(payload))
-            elif status in ("exception", "unencodable"):
+            elif status in ("exception", "unencodable", "timeout"):
                 results[name] = (status, str(payload))
     if forked:
         return {name: ("crash", "forked") for name, _ in calls}
@@ -365,7 +467,20 @@ class _Opaque:
     __hash__ = object.__hash__
 
 
+def _known_types():
+    import builtins, collections, datetime, decimal, fractions
+    table = {k: v for k, v in vars(builtins).items() if type(v) is type}
+    table.update({f"datetime.{c.__name__}": c for c in (datetime.datetime, datetime.date, datetime.time,
+                                                          datetime.timedelta, datetime.timezone)})
+    table.update({"decimal.Decimal": decimal.Decimal, "fractions.Fraction": fractions.Fraction})
+    table.update({f"collections.{n}": getattr(collections, n) for n in ("Counter", "OrderedDict", "defaultdict")})
+    return table
+
+
 def _decode(node):
+    """The runner's tagged encoding -> the same value built here from trusted types, so that `==`
+    here compares what the released grader's `==` compares."""
+    import collections, datetime, decimal, fractions
     tag, v = node
     if tag == "v":
         return v
@@ -385,22 +500,55 @@ def _decode(node):
             except TypeError:
                 return _Opaque()
         return items if tag == "list" else tuple(items)
-    if tag == "dict":
+    maps = {"dict": dict, "Counter": lambda items: collections.Counter(dict(items)), "OrderedDict": collections.OrderedDict,
+            "defaultdict": lambda items: collections.defaultdict(None, items)}
+    if tag in maps:
         try:
-            return {_decode(k): _decode(x) for k, x in v}
+            return maps[tag]([(_decode(k), _decode(x)) for k, x in v])
         except TypeError:
             return _Opaque()
+    if tag == "timedelta":
+        return datetime.timedelta(days=v[0], seconds=v[1], microseconds=v[2])
+    if tag == "timezone":
+        return datetime.timezone(_decode(v))
+    if tag == "date":
+        return datetime.date(*v)
+    if tag in ("datetime", "time"):
+        *fields, fold, off = v
+        tz = None if off is None else datetime.timezone(_decode(off))
+        return (datetime.datetime if tag == "datetime" else datetime.time)(*fields, tzinfo=tz, fold=fold)
+    if tag == "Decimal":
+        return decimal.Decimal(v)
+    if tag == "Fraction":
+        return fractions.Fraction(_decode(v[0]), _decode(v[1]))
+    if tag in ("np", "ndarray"):
+        import numpy as np
+        if tag == "np":
+            return np.dtype(v[0]).type(_decode(v[1]))
+        return np.array(_decode(v[2]), dtype=np.dtype(v[0])).reshape(v[1])
+    if tag == "type":
+        return _KNOWN_TYPES.get(v, _Opaque())
     return _Opaque()
 
 
-# An approximation of the released grader's substring blacklist (it zeroes any answer containing
-# one); used only with --released_semantics, to compare with published numbers.
-RELEASED_BLACKLIST = ("import os", "import sys", "subprocess", "shutil", "exit(", "quit(", "open(",
-                      "input(", "__import__", "eval(", "exec(")
+_KNOWN_TYPES = _known_types()
 
 
-def strip_fences(code):
-    """Released semantics: drop markdown code fences around the answer."""
+# The released grader's substring blacklist, exactly (it scores any answer containing one 0); used
+# only with --released_semantics, to compare with published numbers.
+RELEASED_BLACKLIST = ("import os", "from os", "import sys", "from sys", "sudo", "transformers", "exit(", "quit(",
+                      "argparse")
+
+
+def strip_fences(code, released=False):
+    """Drop markdown code fences around the answer. Released: its exact rule (the text after the first
+    ```python up to the next ```, then the same for a bare ```)."""
+    if released:
+        if "```python" in code:
+            code = code.split("```python")[1].split("```")[0]
+        if "```" in code:
+            code = code.split("```")[1].split("```")[0]
+        return code
     code = code.strip()
     m = re.search(r"```(?:python|py)?\s*\n(.*?)```", code, re.S)
     if m:
@@ -417,12 +565,12 @@ def grade_code(task, answer, timeout=10.0, released=False, gt_results=None):
     the answer's; a test whose ground truth itself fails is an `infrastructure` verdict."""
     calls = list(task["test_cases"].items())
     if gt_results is None:
-        gt_results = run_calls(task["ground_truth"], calls, timeout, released)
-    answer = strip_fences(answer or "")
-    if released and any(b in answer for b in RELEASED_BLACKLIST):
+        gt_results = run_calls(task["ground_truth"], calls, timeout, released, trusted=True)
+    answer = answer or ""
+    if released and any(b in answer for b in RELEASED_BLACKLIST):  # released: checked before the fences go
         ans_results = {n: ("exception", "blacklisted") for n, _ in calls}
     else:
-        ans_results = run_calls(answer, calls, timeout, released)
+        ans_results = run_calls(strip_fences(answer, released), calls, timeout, released)
     verdicts = {}
     for name, _ in calls:
         g, a = gt_results[name], ans_results[name]

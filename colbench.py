@@ -195,6 +195,25 @@ def agent_messages(task, dialogue, task_type="code"):
            [{"role": m["role"], "content": m["content"]} for m in dialogue]
 
 
+def split_output(output):
+    """Released: an agent turn shows the human only what follows its first `OUTPUT:` (any thinking
+    before it is dropped), and the stored output keeps at most one `OUTPUT:` section.
+    Returns (content, stored output)."""
+    if "OUTPUT:" not in output:
+        return output, output
+    parts = output.split("OUTPUT:")
+    return parts[1], "OUTPUT:".join(parts[:2])
+
+
+def final_answer(dialogue, task_type="code"):
+    """The dialogue's answer, as released: code, the last agent turn's (after the marker); html, the
+    page of the last agent turn that showed one, whichever turn that was (empty when none did)."""
+    turns = [m["content"] for m in dialogue if m["role"] == "assistant"]
+    if task_type == "html":
+        return next((h for h in map(lambda t: extract_answer(t, "html"), reversed(turns)) if h), "")
+    return extract_answer(turns[-1]) if turns else ""
+
+
 def extract_answer(text, task_type="code"):
     """The final answer of an agent turn: what follows the marker (or the whole turn); for html,
     the HTML extracted from it as released (empty when there is none)."""

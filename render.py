@@ -66,6 +66,10 @@ def localize_html(html, asset_dir):
     """Point Tailwind at the local copy and picsum images at same-size flat placeholders."""
     css = tailwind_css().as_uri()
     html = re.sub(r"https?://[^\"']*tailwindcss[^\"']*\.css", css, html)
+    # the Play CDN script (<script src="https://cdn.tailwindcss.com">) can't load offline: the local
+    # stylesheet stands in for it (Tailwind 2.2.19's full build, so classes new in v3 stay unstyled)
+    html = re.sub(r"<script\b[^>]*\bsrc=[\"']https?://cdn\.tailwindcss\.com[^\"']*[\"'][^>]*>\s*</script>",
+                  f'<link href="{css}" rel="stylesheet">', html, flags=re.I)
     if "tailwind" not in html.lower():  # pages that only use classes still get Tailwind
         html = f'<link href="{css}" rel="stylesheet">\n' + html
 

@@ -176,8 +176,7 @@ AGENTS = ("hf", "openai", "vllm", "oracle")
 
 # ----------------------------------------------------------------------------------------------
 def finish(ep, how, error=None):
-    last = ep["dialogue"][-1]["content"] if ep["dialogue"][-1]["role"] == "assistant" else ""
-    row = {"task": ep["task"], "dialogue_history": ep["dialogue"], "answer": colbench.extract_answer(last, ep["task_type"]),
+    row = {"task": ep["task"], "dialogue_history": ep["dialogue"], "answer": colbench.final_answer(ep["dialogue"], ep["task_type"]),
            "task_id": ep["task"]["task_id"], "sample": ep["sample"],
            "num_turns": sum(m["role"] == "assistant" for m in ep["dialogue"]), "finish": how}
     return row if error is None else dict(row, error=error)
@@ -234,8 +233,8 @@ def main(args):
             if too_long[i]:
                 done.append(finish(ep, "error", f"prompt longer than --max_prompt_tokens {args.max_prompt_tokens}"))
                 continue
-            out = outputs[i]
-            ep["dialogue"].append({"role": "assistant", "content": out, "input": prompts[i], "output": out})
+            out, stored = colbench.split_output(outputs[i])
+            ep["dialogue"].append({"role": "assistant", "content": out, "input": prompts[i], "output": stored})
             turns = sum(m["role"] == "assistant" for m in ep["dialogue"])
             if colbench.ANSWER_MARKER in out:
                 done.append(finish(ep, "answered"))

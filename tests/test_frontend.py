@@ -79,6 +79,25 @@ def test_design_critic_names_planted_differences(renderer):
     assert len([s for s in red.split(". ") if s]) <= 3
 
 
+def test_tailwind_play_cdn_script_applies_offline(renderer):
+    cdn = page("blue").replace('<link href="https://cdn.jsdelivr.net/npm/tailwindcss@2.2.19/dist/tailwind.min.css" rel="stylesheet">',
+                               '<head><script src="https://cdn.tailwindcss.com"></script></head>')
+    assert "cdn.tailwindcss.com" in cdn and "tailwind.min.css" not in cdn
+    img, ok = renderer.render(cdn)
+    assert ok and img.getpixel((5, 5)) == (59, 130, 246)  # styled by the local copy, not the unreachable script
+
+
+def test_final_answer_and_output_follow_released_rules():
+    assert colbench.split_output("think... OUTPUT: ask this OUTPUT: junk") == (" ask this ", "think... OUTPUT: ask this ")
+    assert colbench.split_output("plain") == ("plain", "plain")
+    turns = ["<html>first</html>", "Is it blue?", "I WANT TO ANSWER: sorry, no page"]
+    dialogue = [m for t in turns for m in ({"role": "assistant", "content": t}, {"role": "user", "content": "ok"})]
+    assert colbench.final_answer(dialogue, "html") == "<html>first</html>"  # the last page shown, in any turn
+    assert colbench.final_answer(dialogue[:2] + [{"role": "assistant", "content": "<body>b</body>"}], "html") == "<body>b</body>"
+    assert colbench.final_answer([{"role": "assistant", "content": "Is it blue?"}], "html") == ""
+    assert colbench.final_answer(dialogue, "code") == "sorry, no page"
+
+
 def test_html_extraction_follows_released_rules():
     assert render.extract_html("text <html><body>a</body></html> more <html>b</html>") == "<html><body>a</body></html>"
     assert render.extract_html("x <BODY class='p'>b</BODY> y") == "<BODY class='p'>b</BODY>"

@@ -5,8 +5,8 @@
 #   bash run.sh                      # default embedded run
 #   SMALL=1 bash run.sh              # a few minutes
 #   BASELINES=1 bash run.sh          # + multi-turn DPO and rejection fine-tuning
-#   MODEL=meta-llama/Llama-3.1-8B-Instruct WARMUP=0 SIMULATOR_URL=http://host:8000 NPROC=8 \
-#     N_TRAIN=10000 N_TEST=1000 SAMPLES=3 CANDIDATES=16 LR_CRITIC=2e-7 LR_DPO=2e-7 bash run.sh
+#   MODEL=meta-llama/Llama-3.1-8B-Instruct SIMULATOR_URL=http://host:8000 NPROC=8 SAMPLES=3 \
+#     TRAIN_TASKS=colbench_train.jsonl TEST_TASKS=colbench_test.jsonl bash run.sh   # ColBench, released settings
 #
 # Every stage skips or resumes work already on disk under $RUN, so a rerun continues.
 set -euo pipefail
@@ -14,6 +14,13 @@ cd "$(dirname "$0")"
 
 if [ "${SMALL:-0}" = 1 ]; then
   : "${N_TRAIN:=12}" "${N_TEST:=12}" "${N_WARMUP:=60}" "${SAMPLES:=2}" "${CANDIDATES:=4}" "${DATA_FRACTION:=0.2}"
+fi
+TRAIN_TASKS=${TRAIN_TASKS:-}          # ColBench data (a JSONL or a `datasets` folder) instead of procedural train tasks
+TEST_TASKS=${TEST_TASKS:-}            # ... and test tasks
+if [ -n "$TRAIN_TASKS$TEST_TASKS" ]; then  # ColBench data: the released settings, unless set
+  : "${TEMPERATURE:=1.0}" "${TRAIN_TEMPERATURE:=1.0}" "${TOP_P:=1.0}" "${MAX_NEW_TOKENS:=1024}" "${CRITIC_EPOCHS:=4}"
+  : "${CANDIDATES:=16}" "${PAIRS_PER_STATE:=4}" "${DATA_FRACTION:=0.1}" "${LR_CRITIC:=2e-7}" "${LR_DPO:=2e-7}"
+  : "${WARMUP:=0}" "${TRAIN_LAYERS:=0}" "${CREDIT_VARIANTS:=0}"  # turn classes need the procedural tasks' scripted human
 fi
 RUN=${RUN:-runs/$([ "${SMALL:-0}" = 1 ] && echo small || echo default)}
 MODEL=${MODEL:-embedded}              # starting policy (HF path or id)
@@ -48,7 +55,7 @@ BASELINES=${BASELINES:-0}
 TASK_TYPE=${TASK_TYPE:-code}         # code | html
 CLIP_MODEL=${CLIP_MODEL:-}            # html: a local CLIP model; empty = the named non-CLIP fallback
 
-KNOWN="SMALL RUN MODEL WARMUP N_WARMUP WARMUP_FAMILIES ORACLE_HASTY ORACLE_DETOUR N_TRAIN N_TEST SAMPLES ORACLE_SAMPLES
+KNOWN="SMALL TRAIN_TASKS TEST_TASKS RUN MODEL WARMUP N_WARMUP WARMUP_FAMILIES ORACLE_HASTY ORACLE_DETOUR N_TRAIN N_TEST SAMPLES ORACLE_SAMPLES
   CANDIDATES PAIRS_PER_STATE DATA_FRACTION TEMPERATURE TRAIN_TEMPERATURE TOP_P MAX_TURNS MAX_NEW_TOKENS LR_WARMUP LR_CRITIC LR_DPO
   CRITIC_EPOCHS CREDIT_VARIANTS TRAIN_LAYERS BATCH_SIZE NPROC SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL REPORT_DIALOGUES SETUP PY"
 echo "run.sh: run directory $RUN$([ -d "$RUN" ] && echo ' (exists: finished stages are reused)')"
@@ -100,9 +107,11 @@ evaluate() {  # evaluate IN NAME [extra]
 
 log "tasks"
 gen() { "$PY" generate_tasks.py --task_type "$TASK_TYPE" "$@"; }
-exists "$RUN/test_tasks.jsonl" || gen --num_tasks "$N_TEST" --seed $((SEED + 1)) --output "$RUN/test_tasks.jsonl"
-exists "$RUN/train_tasks.jsonl" || gen --num_tasks "$N_TRAIN" --seed $((SEED + 2)) \
-  --exclude "$RUN/test_tasks.jsonl" --output "$RUN/train_tasks.jsonl"
+if [ -n "$TEST_TASKS" ]; then exists "$RUN/test_tasks.jsonl" || gen --source file --input "$TEST_TASKS" --output "$RUN/test_tasks.jsonl"
+else exists "$RUN/test_tasks.jsonl" || gen --num_tasks "$N_TEST" --seed $((SEED + 1)) --output "$RUN/test_tasks.jsonl"; fi
+if [ -n "$TRAIN_TASKS" ]; then exists "$RUN/train_tasks.jsonl" || gen --source file --input "$TRAIN_TASKS" --output "$RUN/train_tasks.jsonl"
+else exists "$RUN/train_tasks.jsonl" || gen --num_tasks "$N_TRAIN" --seed $((SEED + 2)) \
+  --exclude "$RUN/test_tasks.jsonl" --output "$RUN/train_tasks.jsonl"; fi
 
 POLICY=$MODEL
 if [ "$WARMUP" = 1 ]; then

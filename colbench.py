@@ -210,7 +210,7 @@ def final_answer(dialogue, task_type="code"):
     page of the last agent turn that showed one, whichever turn that was (empty when none did)."""
     turns = [m["content"] for m in dialogue if m["role"] == "assistant"]
     if task_type == "html":
-        return next((h for h in map(lambda t: extract_answer(t, "html"), reversed(turns)) if h), "")
+        return next((h for h in (extract_answer(t, "html") for t in reversed(turns)) if h), "")
     return extract_answer(turns[-1]) if turns else ""
 
 

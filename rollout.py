@@ -163,9 +163,8 @@ class OracleAgent:
                 code = task["ground_truth"].strip() if len(known) == len(facts) else guess_answer(task, known, plan)
                 outs.append(f"{colbench.ANSWER_MARKER}\n{code}")
             elif self.rng(ep, turn).random() < a.oracle_detour:
-                r = self.rng(ep, turn, "q")
-                repeat = sorted(known) and r.random() < 0.5
-                outs.append(oracle_question(r.choice(sorted(known))) if repeat else r.choice(DETOURS))
+                r, heard = self.rng(ep, turn, "q"), sorted(known)
+                outs.append(oracle_question(r.choice(heard)) if heard and r.random() < 0.5 else r.choice(DETOURS))
             else:
                 outs.append(oracle_question(next(f for f in facts if f not in known)))
         return outs

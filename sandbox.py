@@ -10,6 +10,11 @@ See the README's "The grader and its sandbox" for what is contained and how it i
 """
 from __future__ import annotations
 
+import builtins
+import collections
+import datetime
+import decimal
+import fractions
 import json
 import os
 import re
@@ -182,21 +187,21 @@ def main():
             emit(name, "exception", err)
             continue
         try:
-            if job["call_timeout"]:
-                signal.setitimer(signal.ITIMER_REAL, job["call_timeout"])
-            if fn is None:
-                value = eval(c, g, loc)
-            else:
-                f = loc[fn] if fn in loc else g[fn] if fn in g else getattr(builtins, fn)
-                value = f(*args, **kwargs)
-            if job["call_timeout"]:
-                signal.setitimer(signal.ITIMER_REAL, 0)
+            try:
+                if job["call_timeout"]:
+                    signal.setitimer(signal.ITIMER_REAL, job["call_timeout"])
+                if fn is None:
+                    value = eval(c, g, loc)
+                else:
+                    f = loc[fn] if fn in loc else g[fn] if fn in g else getattr(builtins, fn)
+                    value = f(*args, **kwargs)
+            finally:
+                if job["call_timeout"]:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
         except CallTimeout:
             emit(name, "timeout", '"no result in the released 1 s"')
             continue
         except BaseExc as e:
-            if job["call_timeout"]:
-                signal.setitimer(signal.ITIMER_REAL, 0)
             emit(name, "exception", reason(e))
             continue
         try:
@@ -467,20 +472,19 @@ class _Opaque:
     __hash__ = object.__hash__
 
 
-def _known_types():
-    import builtins, collections, datetime, decimal, fractions
-    table = {k: v for k, v in vars(builtins).items() if type(v) is type}
-    table.update({f"datetime.{c.__name__}": c for c in (datetime.datetime, datetime.date, datetime.time,
-                                                          datetime.timedelta, datetime.timezone)})
-    table.update({"decimal.Decimal": decimal.Decimal, "fractions.Fraction": fractions.Fraction})
-    table.update({f"collections.{n}": getattr(collections, n) for n in ("Counter", "OrderedDict", "defaultdict")})
-    return table
+# The types the runner encodes by name, and the mappings it tags, as this process builds them.
+_KNOWN_TYPES = {k: v for k, v in vars(builtins).items() if type(v) is type}
+_KNOWN_TYPES.update({f"datetime.{c.__name__}": c for c in (datetime.datetime, datetime.date, datetime.time,
+                                                            datetime.timedelta, datetime.timezone)})
+_KNOWN_TYPES.update({"decimal.Decimal": decimal.Decimal, "fractions.Fraction": fractions.Fraction})
+_KNOWN_TYPES.update({f"collections.{n}": getattr(collections, n) for n in ("Counter", "OrderedDict", "defaultdict")})
+_MAPS = {"dict": dict, "Counter": lambda items: collections.Counter(dict(items)), "OrderedDict": collections.OrderedDict,
+         "defaultdict": lambda items: collections.defaultdict(None, items)}
 
 
 def _decode(node):
     """The runner's tagged encoding -> the same value built here from trusted types, so that `==`
     here compares what the released grader's `==` compares."""
-    import collections, datetime, decimal, fractions
     tag, v = node
     if tag == "v":
         return v
@@ -500,11 +504,9 @@ def _decode(node):
             except TypeError:
                 return _Opaque()
         return items if tag == "list" else tuple(items)
-    maps = {"dict": dict, "Counter": lambda items: collections.Counter(dict(items)), "OrderedDict": collections.OrderedDict,
-            "defaultdict": lambda items: collections.defaultdict(None, items)}
-    if tag in maps:
+    if tag in _MAPS:
         try:
-            return maps[tag]([(_decode(k), _decode(x)) for k, x in v])
+            return _MAPS[tag]([(_decode(k), _decode(x)) for k, x in v])
         except TypeError:
             return _Opaque()
     if tag == "timedelta":
@@ -529,9 +531,6 @@ def _decode(node):
     if tag == "type":
         return _KNOWN_TYPES.get(v, _Opaque())
     return _Opaque()
-
-
-_KNOWN_TYPES = _known_types()
 
 
 # The released grader's substring blacklist, exactly (it scores any answer containing one 0); used

@@ -183,7 +183,8 @@ fi
 report() {  # the teaching views: plots of results and training, and the trajectory viewer
   if [ "$TASK_TYPE" = code ]; then "$PY" view.py --plots "$RUN"; fi
   local states=(); [ -f "$RUN/pairs.jsonl.states.jsonl" ] && states=(--states "$RUN/pairs.jsonl.states.jsonl")
-  "$PY" view.py --trajectories "$(IFS=,; echo "${runs[*]}")" "${states[@]}" --critic "$RUN/critic" \
+  local all=("${runs[@]}"); [ -f "$RUN/train_graded.jsonl" ] && all+=("train=$RUN/train_graded.jsonl")  # the labelled states
+  "$PY" view.py --trajectories "$(IFS=,; echo "${all[*]}")" "${states[@]}" --critic "$RUN/critic" \
     --task_type "$TASK_TYPE" --max_dialogues "${REPORT_DIALOGUES:-40}" --output "$RUN/report.html"
 }
 if [ "$TASK_TYPE" = code ]; then report; echo "open $RUN/report.html in a browser; plots: $RUN/results.png, $RUN/training.png"; exit 0; fi

@@ -43,7 +43,7 @@ class Args:
     critic: str = ""
     """train_critic.py output directory: colour every agent turn by its advantage"""
     max_dialogues: int = 120
-    """dialogues shown per method (the first ones, in file order)"""
+    """dialogues shown per method (those with a labelled state first, then in file order)"""
     task_type: str = "code"
     """code | html (html: the target and the answer rendered side by side)"""
 
@@ -143,7 +143,7 @@ __DIALOGUES__
 function filt(){const t=document.getElementById('task').value.trim(),s=document.getElementById('succ').value,m=document.getElementById('method').value;
 let n=0;for(const d of document.querySelectorAll('.dlg')){const show=(!t||d.dataset.task.startsWith(t))&&(!s||d.dataset.success===s)&&(!m||d.dataset.method===m);
 d.style.display=show?'':'none';n+=show}document.getElementById('count').textContent=n+' dialogues shown'}
-for(const id of ['task','succ','method'])document.getElementById(id).addEventListener('input',filt);filt();
+for(const id of ['task','succ','method'])for(const ev of ['input','change'])document.getElementById(id).addEventListener(ev,filt);filt();
 </script></body></html>"""
 
 
@@ -203,7 +203,6 @@ def main(args):
                   args.critic and not (Path(args.critic) / "run_settings.json").exists()
                   and f"--critic {args.critic}: no run_settings.json (expected a train_critic.py output directory)")
     common.check_writable(args.output)
-    runs = {name: colbench.load_graded(path)[: args.max_dialogues] for name, path in files.items()}
     states = {}
     if args.states:
         marks = {}
@@ -217,6 +216,12 @@ def main(args):
                 s["marks"].setdefault(s["candidates"].index(c), []).append(f"chosen #{k}")
                 s["marks"].setdefault(s["candidates"].index(r), []).append(f"rejected #{k}")
             states[key] = s
+    labelled = {(t, n) for t, n, _ in states}
+    runs, totals = {}, {}
+    for name, path in files.items():  # dialogues with a labelled state first, then file order
+        rows = colbench.load_graded(path)
+        totals[name] = (len(rows), sum(bool(r.get("success")) for r in rows))
+        runs[name] = sorted(rows, key=lambda r: (r["task_id"], r.get("sample", 0)) not in labelled)[: args.max_dialogues]
     advantages = {name: turn_advantages(rows, args.critic) if args.critic else [None] * len(rows) for name, rows in runs.items()}
     values = [abs(a) for v in advantages.values() for adv in v if adv for a in adv] + \
              [abs(a) for s in states.values() for a in s["advantages"]]
@@ -227,8 +232,8 @@ def main(args):
         for i, r in enumerate(rows):
             pics = (images[0][r["task_id"]], images[1][i]) if images else None
             blocks.append(dialogue_html(r, name, advantages[name][i], scale, states, pics))
-    summary = ", ".join(f"{name}: {len(rows)} dialogues, {100 * sum(bool(r.get('success')) for r in rows) / len(rows):.1f}% success"
-                        for name, rows in runs.items())
+    summary = ", ".join(f"{name}: {100 * totals[name][1] / totals[name][0]:.1f}% success over {totals[name][0]} dialogues, "
+                        f"{len(rows)} shown" for name, rows in runs.items())
     summary += f"; {len(states)} labelled states" if states else ""
     summary += f"; turn colours: advantage from the critic {html.escape(args.critic)}" if args.critic else ""
     legend = "".join(f'<span style="background:{colour(x * scale, scale)}">{x * scale:+.3f}</span>' for x in (-1, -0.5, 0, 0.5, 1))

@@ -17,11 +17,11 @@ def test_report_in_a_real_browser(tiny_model, tmp_path):
     rows = [make_traj(tok, TASK, ["What factor?", "I WANT TO ANSWER: def f(x): return x * 2"], ["Double it."], 1.0, 0),
             make_traj(tok, TASK, ["I WANT TO ANSWER: def f(x): return x"], [], 0.0, 1)]
     (tmp_path / "g.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    state = {"task_id": "t0", "sample": 0, "turn": 0, "candidates": ["What factor?", "I WANT TO ANSWER: x"],
+    state = {"task_id": "t0", "sample": 1, "turn": 0, "candidates": ["What factor?", "I WANT TO ANSWER: x"],
              "advantages": [0.02, -0.03], "classes": ["good", "bad"]}
     (tmp_path / "pairs.jsonl.states.jsonl").write_text(json.dumps(state) + "\n")
     (tmp_path / "pairs.jsonl").write_text(json.dumps({"prompt": "p", "chosen": "What factor?", "rejected": "I WANT TO ANSWER: x",
-                                                      "task_id": "t0", "sample": 0, "turn": 0}) + "\n")
+                                                      "task_id": "t0", "sample": 1, "turn": 0}) + "\n")
     critic = AutoModelForCausalLM.from_pretrained(tiny_model)  # a critic that differs from pi_ref
     torch.manual_seed(0)
     with torch.no_grad():
@@ -40,7 +40,8 @@ def test_report_in_a_real_browser(tiny_model, tmp_path):
         shot = os.environ.get("VIEW_SCREENSHOT", str(tmp_path / "report.png"))
         img.save(shot)
         d = r.driver
-        assert len(d.find_elements("css selector", ".dlg")) == 2
+        dlgs = d.find_elements("css selector", ".dlg")
+        assert len(dlgs) == 2 and "sample 1" in dlgs[0].text  # the dialogue with a labelled state comes first
         agents = d.find_elements("css selector", ".agent[data-adv]")
         assert len(agents) == 3  # every agent turn carries its advantage
         colours = {d.execute_script("return getComputedStyle(arguments[0]).backgroundColor", a) for a in agents}

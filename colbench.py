@@ -104,11 +104,77 @@ HUMAN_PROMPT = {
 }
 
 
-def human_messages(task, dialogue, task_type="code", agent_image=None, target_image=None):
+# --prompt_dir DIR: templates that replace ours, in the released message format. A folder of ours
+# (agent_code.txt, human_code.txt, agent_html.txt, human_html.txt) or a released checkout's prompts/.
+PROMPT_FILES = {"agent": ("agent_{}.txt", "llm_agent_{}_prompt.txt"),
+                "human": ("human_{}.txt", "human_simulator_{}_prompt.txt")}
+HUMAN_FIELDS = ("problem_description", "hidden_information", "dialogue_history")
+
+
+def load_prompts(prompt_dir, task_type="code"):
+    """{"agent": text, "human": text} for task_type from prompt_dir, or None without one (our prompts).
+    A code human template must hold {hidden_information}, and may use only the HUMAN_FIELDS."""
+    if not prompt_dir:
+        return None
+    if not Path(prompt_dir).is_dir():
+        raise DataError(f"--prompt_dir {prompt_dir}: not a directory")
+    out = {}
+    for role, names in PROMPT_FILES.items():
+        paths = [Path(prompt_dir) / n.format(task_type) for n in names]
+        path = next((p for p in paths if p.exists()), None)
+        if path is None:
+            raise DataError(f"--prompt_dir {prompt_dir}: no {role} template for {task_type} tasks "
+                            f"(expected {' or '.join(p.name for p in paths)})")
+        out[role] = path.read_text()
+    if task_type == "code":
+        try:
+            out["human"].format(**{f: "" for f in HUMAN_FIELDS})
+        except (KeyError, IndexError, ValueError) as e:
+            fields = ", ".join("{%s}" % f for f in HUMAN_FIELDS)
+            raise DataError(f"{path}: a human template may use only {fields} (write {{{{ and }}}} for "
+                            f"literal braces), not {e}") from None
+        if "{hidden_information}" not in out["human"]:
+            raise DataError(f"{path}: the human template must contain {{hidden_information}}")
+    return out
+
+
+def transcript(dialogue):
+    """The released human's view of the dialogue: one string, each message as `role:content`."""
+    return "".join(f"{m['role']}:{m['content']}\n\n\n\n" for m in dialogue) + "agent:"
+
+
+def parse_templated(template, text):
+    """Inverse of a --prompt_dir human template (for the scripted human): (hidden information, the
+    agent's last message), or None when text was not made from template."""
+    pattern, seen = "", set()
+    for part in re.split(r"(\{(?:problem_description|hidden_information|dialogue_history)\})", template):
+        name = part[1:-1] if part[1:-1] in HUMAN_FIELDS else None
+        if name is None:
+            pattern += re.escape(part.replace("{{", "{").replace("}}", "}"))
+        elif name in seen or name == "problem_description":
+            pattern += ".*?"
+        else:
+            seen.add(name)
+            pattern += f"(?P<{name}>.*?)" if name == "hidden_information" else f"(?P<{name}>.*)"
+    m = re.fullmatch(pattern, text, re.S)
+    if m is None:
+        return None
+    history = (m.groupdict().get("dialogue_history") or "").strip().removesuffix("agent:")
+    return m["hidden_information"], history[history.rfind("assistant:") + len("assistant:"):].strip()
+
+
+def human_messages(task, dialogue, task_type="code", agent_image=None, target_image=None, prompts=None):
     """The simulated human's chat request: our prompt as system, then the dialogue with roles
     swapped (the agent speaks as `user` to the human model). For html, the agent's last message
-    also carries the two images as data URLs (its render, or a note that there is none; the target)."""
-    system = HUMAN_PROMPT[task_type].format(**task)
+    also carries the two images as data URLs (its render, or a note that there is none; the target).
+    With --prompt_dir templates (prompts), the released format: code gets a generic system line and
+    one user message, the template filled with the task and the whole transcript; html gets one
+    user message, the template's text and then the two images."""
+    if prompts and task_type == "code":
+        text = prompts["human"].format(problem_description=task["problem_description"],
+                                       hidden_information=task["hidden_information"], dialogue_history=transcript(dialogue))
+        return [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": text}]
+    system = prompts["human"] if prompts else HUMAN_PROMPT[task_type].format(**task)
     if task_type == "html":
         content = [{"type": "text", "text": dialogue[-1]["content"][-2000:]}]
         if agent_image is not None:
@@ -118,6 +184,8 @@ def human_messages(task, dialogue, task_type="code", agent_image=None, target_im
             content += [{"type": "text", "text": "The assistant has not shown a page in this message."}]
         content += [{"type": "text", "text": "The page you want:"},
                     {"type": "image_url", "image_url": {"url": image_to_data_url(target_image)}}]
+        if prompts:
+            return [{"role": "user", "content": [{"type": "text", "text": system}] + content[1:]}]
         return [{"role": "system", "content": system}, {"role": "user", "content": content}]
     msgs = [{"role": "system", "content": system}]
     for m in dialogue[1:]:  # dialogue[0] is the human's own request
@@ -189,9 +257,11 @@ def parse_hidden_information(system_prompt):
     return m.group(1) if m else None
 
 
-def agent_messages(task, dialogue, task_type="code"):
-    """The agent's chat: our system prompt, then the dialogue as the agent saw it."""
-    return [{"role": "system", "content": AGENT_SYSTEM_PROMPT[task_type]}] + \
+def agent_messages(task, dialogue, task_type="code", prompts=None):
+    """The agent's chat: our system prompt (or the --prompt_dir agent template, verbatim, as released),
+    then the dialogue as the agent saw it."""
+    system = prompts["agent"] if prompts else AGENT_SYSTEM_PROMPT[task_type]
+    return [{"role": "system", "content": system}] + \
            [{"role": m["role"], "content": m["content"]} for m in dialogue]
 
 

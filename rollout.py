@@ -19,6 +19,10 @@ Shards write OUTPUT.shard-i-of-n; `cat` them to merge.
 Deviations from the paper / released code:
 1. The agent's and the human's prompts are ours (same protocol: short questions, at most 10 agent
    turns, the final answer after `I WANT TO ANSWER:`). The marker is accepted anywhere in a turn.
+   `--prompt_dir` replaces them with a folder's templates, in the released message format (the agent
+   template is the system message verbatim; the code human gets a generic system line and one user
+   message with its template filled and the whole transcript). Pointed at a released checkout's
+   prompts/, this reproduces the released prompts.
 2. Batching is continuous at turn granularity: the current turn of every active dialogue is one
    padded `generate` call; a finished dialogue's slot is refilled at once.
 3. `--agent_backend oracle` is ours: a scripted agent that asks for each hidden fact, then answers
@@ -88,6 +92,9 @@ class Args:
     """oracle backend: share of dialogues with a budget of fewer questions than facts, guessing the rest"""
     oracle_detour: float = 0.0
     """oracle backend: chance that a question is wasted (asks again about a revealed fact, or about nothing the facts cover)"""
+    prompt_dir: str = ""
+    """a folder of prompt templates replacing ours, in the released message format (agent_TYPE.txt and
+    human_TYPE.txt, or a released checkout's prompts/); start the scripted simulator with the same one"""
     gpu_memory_utilization: float = 0.9
     """vllm backend: share of the GPU's memory vLLM may take"""
     seed: int = 0
@@ -193,6 +200,7 @@ def main(args):
     shard, num_shards = common.parse_shard(args.shard)
     common.seed_everything(args.seed + shard)
     tasks = colbench.load_tasks(args.tasks, args.task_type)[: args.num_tasks or None]
+    templates = colbench.load_prompts(args.prompt_dir, args.task_type)  # None: ours
     jobs = [(t, k) for t in tasks for k in range(args.first_sample, args.first_sample + args.samples)][shard::num_shards]
     out_path = common.sharded_path(args.output, shard, num_shards)
     common.check_writable(out_path)
@@ -219,7 +227,7 @@ def main(args):
             t, k = todo.popleft()
             active.append({"task": t, "sample": k, "task_type": args.task_type,
                            "dialogue": [{"role": "user", "content": t["problem_description"]}]})
-        prompts = [common.render_prompt(agent.tok, colbench.agent_messages(ep["task"], ep["dialogue"], args.task_type))
+        prompts = [common.render_prompt(agent.tok, colbench.agent_messages(ep["task"], ep["dialogue"], args.task_type, templates))
                    for ep in active]
         too_long = [len(agent.tok(p, add_special_tokens=False)["input_ids"]) > args.max_prompt_tokens for p in prompts]
         ok = [i for i, bad in enumerate(too_long) if not bad]
@@ -242,14 +250,14 @@ def main(args):
             else:
                 ask.append(ep)
         if pool is None:
-            requests = [colbench.human_messages(ep["task"], ep["dialogue"], args.task_type) for ep in ask]
+            requests = [colbench.human_messages(ep["task"], ep["dialogue"], args.task_type, prompts=templates) for ep in ask]
         else:  # render the target (once) and the agent's snippet, if its turn has one, for the human
             new = {ep["task"]["task_id"]: ep["task"]["ground_truth"] for ep in ask if ep["task"]["task_id"] not in targets}
             targets.update(zip(new, (img for img, _ in pool.render_many(list(new.values())))))
             snippets = [render.extract_html(ep["dialogue"][-1]["content"]) for ep in ask]
             renders = pool.render_many([s for s in snippets if s])
             agent_imgs = [renders.pop(0)[0] if s else None for s in snippets]
-            requests = [colbench.human_messages(ep["task"], ep["dialogue"], "html", img, targets[ep["task"]["task_id"]])
+            requests = [colbench.human_messages(ep["task"], ep["dialogue"], "html", img, targets[ep["task"]["task_id"]], templates)
                         for ep, img in zip(ask, agent_imgs)]
         replies = human.chat_many(requests, errors=True, temperature=0.0, max_tokens=256)
         active = []

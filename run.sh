@@ -54,10 +54,11 @@ SIMULATOR_URL=${SIMULATOR_URL:-}      # empty: start the embedded scripted human
 BASELINES=${BASELINES:-0}
 TASK_TYPE=${TASK_TYPE:-code}         # code | html
 CLIP_MODEL=${CLIP_MODEL:-}            # html: a local CLIP model; empty = the named non-CLIP fallback
+PROMPT_DIR=${PROMPT_DIR:-}            # prompt templates replacing ours (e.g. a released checkout's prompts/)
 
 KNOWN="SMALL TRAIN_TASKS TEST_TASKS RUN MODEL WARMUP N_WARMUP WARMUP_FAMILIES ORACLE_HASTY ORACLE_DETOUR N_TRAIN N_TEST SAMPLES ORACLE_SAMPLES
   CANDIDATES PAIRS_PER_STATE DATA_FRACTION TEMPERATURE TRAIN_TEMPERATURE TOP_P MAX_TURNS MAX_NEW_TOKENS LR_WARMUP LR_CRITIC LR_DPO
-  CRITIC_EPOCHS CREDIT_VARIANTS TRAIN_LAYERS BATCH_SIZE NPROC SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL REPORT_DIALOGUES SETUP PY"
+  CRITIC_EPOCHS CREDIT_VARIANTS TRAIN_LAYERS BATCH_SIZE NPROC SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL PROMPT_DIR REPORT_DIALOGUES SETUP PY"
 echo "run.sh: run directory $RUN$([ -d "$RUN" ] && echo ' (exists: finished stages are reused)')"
 for v in OUT_DIR OUTPUT_DIR RUN_DIR OUTPUT; do  # easy mistakes: run.sh reads RUN
   if [ -n "${!v-}" ]; then echo "run.sh: warning: $v is set but run.sh does not read it; the run directory is RUN=$RUN" >&2; fi
@@ -84,7 +85,7 @@ exists() {  # a finished file: reuse it, and say so
 }
 
 if [ -z "$SIMULATOR_URL" ]; then
-  "$PY" simulator.py --port 0 > "$RUN/simulator.log" 2>&1 &
+  "$PY" simulator.py --port 0 ${PROMPT_DIR:+--prompt_dir "$PROMPT_DIR"} > "$RUN/simulator.log" 2>&1 &
   SIM_PID=$!
   trap 'kill $SIM_PID 2>/dev/null || true' EXIT
   for _ in $(seq 100); do grep -q "ready at" "$RUN/simulator.log" 2>/dev/null && break; sleep 0.1; done
@@ -97,7 +98,7 @@ rollout() {  # rollout POLICY TASKS OUT [extra args, which win]
   local policy=$1 tasks=$2 out=$3; shift 3
   "$PY" rollout.py --tasks "$tasks" --output "$out" --agent_model "$policy" --simulator_url "$SIMULATOR_URL" \
     --temperature "$TEMPERATURE" --top_p "$TOP_P" --max_turns "$MAX_TURNS" --max_new_tokens "$MAX_NEW_TOKENS" --batch_size "$BATCH_SIZE" \
-    --seed "$SEED" --task_type "$TASK_TYPE" "$@"
+    --seed "$SEED" --task_type "$TASK_TYPE" ${PROMPT_DIR:+--prompt_dir "$PROMPT_DIR"} "$@"
 }
 evaluate() {  # evaluate IN NAME [extra]
   local in=$1 name=$2; shift 2

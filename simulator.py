@@ -10,7 +10,8 @@ completion, hf backend only; lets the `openai` agent backend be tested against i
 
 Backends:
 - scripted (default; deterministic, instant on CPU): reads the hidden information out of the
-  human prompt (colbench.HUMAN_PROMPT) and answers the agent's last message with at most two
+  human prompt (colbench.HUMAN_PROMPT, or with --prompt_dir the folder's code human template, in
+  the released format) and answers the agent's last message with at most two
   hidden-information lines that share the most words with it (for code hidden information, the
   most relevant code lines), or says it doesn't know. Asked for a task in the JSON format of
   generate_tasks.LLM_PROMPT, it returns a procedural task, so the `llm` task source can be tested
@@ -53,6 +54,8 @@ class Args:
     """hf backend: a local chat model path or id ('embedded' = SmolLM2-135M-Instruct)"""
     max_new_tokens: int = 128
     """hf backend: longest reply"""
+    prompt_dir: str = ""
+    """scripted backend: the folder of prompt templates rollout.py uses (--prompt_dir), to find the hidden information"""
 
 
 def scripted_task_writer(prompt):
@@ -143,6 +146,9 @@ def design_feedback(agent_img, target_img):
 class ScriptedBackend:
     name = "scripted-human"
 
+    def __init__(self, human_template=None):
+        self.human_template = human_template  # --prompt_dir: the hidden information is inside this template
+
     def chat(self, messages, max_tokens):
         system = next((m["content"] for m in messages if m["role"] == "system"), "")
         last = messages[-1]["content"] if messages else ""
@@ -153,6 +159,9 @@ class ScriptedBackend:
                 return design_feedback(images[0] if len(images) > 1 else None, images[-1])
             last = " ".join(p.get("text", "") for p in last if isinstance(p, dict))
         hidden = colbench.parse_hidden_information(system)
+        parsed = self.human_template and colbench.parse_templated(self.human_template, last)
+        if parsed:  # the released format: the template, with the whole transcript, in one user message
+            hidden, last = parsed
         if hidden is not None:
             return colbench.scripted_reply(hidden, last)
         if '"test_cases"' in last and "ground_truth" in last:
@@ -224,7 +233,8 @@ def make_handler(backend, default_max_tokens):
 
 
 def serve(args):
-    backend = ScriptedBackend() if args.backend == "scripted" else HFBackend(args.model or common.EMBEDDED)
+    template = colbench.load_prompts(args.prompt_dir, "code")["human"] if args.prompt_dir else None
+    backend = ScriptedBackend(template) if args.backend == "scripted" else HFBackend(args.model or common.EMBEDDED)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(backend, args.max_new_tokens))
     server.daemon_threads = True
     return server
@@ -234,7 +244,10 @@ if __name__ == "__main__":
     args = common.parse_args(Args, __doc__)
     if args.backend not in ("scripted", "hf"):
         sys.exit(f"--backend {args.backend}: choose scripted or hf")
-    server = serve(args)
+    try:
+        server = serve(args)
+    except common.DataError as e:
+        sys.exit(f"error: {e}")
     print(f"simulated human ({args.backend}) ready at http://{args.host}:{server.server_address[1]}/v1", flush=True)
     try:
         server.serve_forever()

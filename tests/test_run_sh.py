@@ -64,7 +64,8 @@ def read(path):
 
 def test_run_sh_on_colbench_files_uses_released_settings(tiny_model, tmp_path):
     """TRAIN_TASKS / TEST_TASKS: ColBench-format files replace the procedural tasks, and the settings
-    not given take the released values."""
+    not given take the released values. PROMPT_DIR: both the agent and the scripted human use its templates."""
+    from test_prompts import AGENT, write_templates
     tasks = [{"problem_description": f"Write add{i}(x). The signature is def add{i}(x)", "hidden_information": f"Add {i}.",
               "ground_truth": f"def add{i}(x):\n    return x + {i}\n", "test_cases": {"a": f"add{i}(1)", "b": f"add{i}(5)"}}
              for i in range(5)]
@@ -73,7 +74,8 @@ def test_run_sh_on_colbench_files_uses_released_settings(tiny_model, tmp_path):
     env = {**os.environ, "SETUP": "0", "PY": sys.executable, "RUN": str(tmp_path / "run"), "MODEL": tiny_model,
            "TRAIN_TASKS": str(tmp_path / "train.jsonl"), "TEST_TASKS": str(tmp_path / "test.jsonl"), "SAMPLES": "1",
            "ORACLE_SAMPLES": "1", "CANDIDATES": "2", "DATA_FRACTION": "1.0", "MAX_TURNS": "2", "MAX_NEW_TOKENS": "8",
-           "CRITIC_EPOCHS": "1", "LR_CRITIC": "1e-3", "OMP_NUM_THREADS": "1"}
+           "CRITIC_EPOCHS": "1", "LR_CRITIC": "1e-3", "OMP_NUM_THREADS": "1",
+           "PROMPT_DIR": str(write_templates(tmp_path / "prompts"))}
     p = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     for setting in ("TEMPERATURE=1.0", "TOP_P=1.0", "PAIRS_PER_STATE=4", "LR_DPO=2e-7", "WARMUP=0", "TRAIN_LAYERS=0",
@@ -83,3 +85,7 @@ def test_run_sh_on_colbench_files_uses_released_settings(tiny_model, tmp_path):
     res = json.loads((tmp_path / "run" / "results.json").read_text())
     assert res["num_test_tasks"] == 2 and set(res["methods"]) == {"zero_shot", "sweet_rl"}
     assert not (tmp_path / "run" / "warmup_tasks.jsonl").exists()
+    for r in read(tmp_path / "run" / "train_graded.jsonl"):
+        assert AGENT in next(m["input"] for m in r["dialogue_history"] if m["role"] == "assistant")
+        if r["sample"] > 0:  # the oracle's dialogues: the templated human revealed the fact it asked for
+            assert r["task"]["hidden_information"] in " ".join(m["content"] for m in r["dialogue_history"] if m["role"] == "user")

@@ -535,6 +535,46 @@ def turn_logprobs(model, seqs, num_turns):
     return total, count
 
 
+def encode_shared(tokenizer, prefix, prompt, continuations, max_len):
+    """Token ids of (prefix + prompt) and of each continuation (+ end-of-turn), as tokenize_turns makes
+    them. A long state keeps the prefix (c) whole and cuts the prompt from its start, the same for
+    every continuation, so that the longest one fits max_len."""
+    enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"] if s else []
+    conts = [enc(c) + [tokenizer.eos_token_id] for c in continuations]
+    keep = max(1, max_len - max(len(c) for c in conts) - len(enc(prefix)))
+    return enc(prefix) + enc(prompt)[-keep:], conts
+
+
+def shared_prompt_logprobs(model, prompt_ids, conts, chunk=1024):
+    """Summed log-prob and token count of each continuation of one prompt: the prompt runs once, then
+    all continuations as one right-padded batch on its KV cache; gradients flow through the cache
+    into the prompt's pass. Equal to scoring prompt + continuation one by one (tests check 1e-4,
+    gradients too). Returns two [N] tensors. Needs a KV cache (not with activation checkpointing)."""
+    import torch
+    device = next(model.parameters()).device
+    out = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True, logits_to_keep=1)
+    first = out.logits[0, -1]  # predicts every continuation's first token
+    n, L = len(conts), max(len(c) for c in conts)
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(n)  # [1, ...] -> [N, ...]
+    ids = torch.zeros((n, L), dtype=torch.long, device=device)
+    mask = torch.zeros((n, len(prompt_ids) + L), dtype=torch.long, device=device)
+    mask[:, :len(prompt_ids)] = 1
+    for i, c in enumerate(conts):
+        ids[i, :len(c)] = torch.tensor(c, device=device)
+        mask[i, len(prompt_ids):len(prompt_ids) + len(c)] = 1
+    logits = model(input_ids=ids, past_key_values=cache, attention_mask=mask).logits  # [N, L, vocab]
+    # position j of the batch predicts continuation token j+1; the prompt's last position predicts token 0
+    logits = torch.cat([first.expand(n, 1, -1), logits[:, :-1]], dim=1)
+    sums = []
+    for i, c in enumerate(conts):
+        lg, tg = logits[i, :len(c)], ids[i, :len(c)]
+        lp = torch.cat([rows.float().gather(1, tgt[:, None]).squeeze(1) - torch.logsumexp(rows.float(), -1)
+                        for rows, tgt in zip(lg.split(chunk), tg.split(chunk))])
+        sums.append(lp.sum())
+    return torch.stack(sums), torch.tensor([float(len(c)) for c in conts], device=device)
+
+
 # ----------------------------------------------------------------------------------------------
 # Distributed training (torchrun) with FSDP2; plain `python` is world size 1 without FSDP.
 # ----------------------------------------------------------------------------------------------

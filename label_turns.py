@@ -17,7 +17,7 @@ temperature and vLLM version). Per state, up to pairs_per_state distinct pairs: 
 drawn from the better half by advantage, one from the worse half; the higher one is chosen.
 
 Scoring shares work: the prompt (c + o_t) is run once, and the N candidates run as one batch
-on its KV cache (score_candidates); it equals naive one-by-one scoring (tests check 1e-4).
+on its KV cache (common.shared_prompt_logprobs); it equals naive one-by-one scoring (tests check 1e-4).
 
 Turn-credit accuracy (procedural code tasks): every candidate's true class (colbench.turn_class) is
 stored in the states file, and each critic (--critic and --credit_critics) is scored on every two
@@ -85,42 +85,6 @@ class Args:
     """vllm backend: share of the GPU's memory vLLM may take (the critics and pi_ref need the rest)"""
     max_turns: int = 10
     """the rollouts' turn limit (a candidate at the last turn is an answer, for the turn classes)"""
-
-
-def score_candidates(model, prompt_ids, cand_ids, chunk=1024):
-    """Summed log-prob of each candidate given the prompt, and its token count: the prompt runs once,
-    then all candidates as one right-padded batch on its KV cache. Returns two [N] tensors."""
-    device = next(model.parameters()).device
-    prompt = torch.tensor([prompt_ids], device=device)
-    out = model(input_ids=prompt, use_cache=True)
-    first_logits = out.logits[0, -1]  # predicts every candidate's first token
-    n, L = len(cand_ids), max(len(c) for c in cand_ids)
-    cache = out.past_key_values
-    cache.batch_repeat_interleave(n)  # [1, ...] -> [N, ...]
-    ids = torch.full((n, L), 0, dtype=torch.long, device=device)
-    mask = torch.zeros((n, len(prompt_ids) + L), dtype=torch.long, device=device)
-    mask[:, :len(prompt_ids)] = 1
-    for i, c in enumerate(cand_ids):
-        ids[i, :len(c)] = torch.tensor(c, device=device)
-        mask[i, len(prompt_ids):len(prompt_ids) + len(c)] = 1
-    logits = model(input_ids=ids, past_key_values=cache, attention_mask=mask).logits  # [N, L, vocab]
-    # position j of the candidate batch predicts candidate token j+1; the prompt's last position predicts token 0
-    logits = torch.cat([first_logits.expand(n, 1, -1), logits[:, :-1]], dim=1)  # [N, L, vocab]
-    sums = []
-    for i, c in enumerate(cand_ids):
-        lg, tg = logits[i, :len(c)], ids[i, :len(c)]
-        lp = torch.cat([rows.float().gather(1, tgt[:, None]).squeeze(1) - torch.logsumexp(rows.float(), -1)
-                        for rows, tgt in zip(lg.split(chunk), tg.split(chunk))])
-        sums.append(lp.sum())
-    return torch.stack(sums), torch.tensor([float(len(c)) for c in cand_ids], device=device)
-
-
-def encode_state(tok, prefix, prompt, candidates, max_len):
-    """Token ids of (c + prompt) and of each candidate (+ end-of-turn), as common.tokenize_turns makes them."""
-    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"] if s else []
-    cands = [enc(c) + [tok.eos_token_id] for c in candidates]
-    keep = max(1, max_len - max(len(c) for c in cands) - len(enc(prefix)))
-    return enc(prefix) + enc(prompt)[-keep:], cands  # the dialogue is cut, never c
 
 
 def make_pairs(candidates, advantages, k, rng):
@@ -237,11 +201,11 @@ def label(args, todo, critic_dirs, critic_settings, ref_name, policy_name, rng, 
         for name, critic in critics.items():
             s = critic_settings[name]
             prefix = training_info(traj["task"], s.get("no_training_info", False))  # c reaches the critic and pi_ref
-            prompt_ids, cand_ids = encode_state(tok, prefix, prompt, candidates, args.max_len)
+            prompt_ids, cand_ids = common.encode_shared(tok, prefix, prompt, candidates, args.max_len)
             with torch.no_grad():
-                logp_sum, count = score_candidates(critic, prompt_ids, cand_ids)
+                logp_sum, count = common.shared_prompt_logprobs(critic, prompt_ids, cand_ids)
                 if prefix not in ref_scores:  # pi_ref once per distinct input
-                    ref_scores[prefix] = score_candidates(ref, prompt_ids, cand_ids)[0]
+                    ref_scores[prefix] = common.shared_prompt_logprobs(ref, prompt_ids, cand_ids)[0]
             ref_sum = ref_scores[prefix]
             advantages[name] = turn_advantage(logp_sum, ref_sum, count, s["beta"]).tolist()  # train_critic's A(o_t, a_t, c)
         advantage = advantages["sweet"]

@@ -69,6 +69,26 @@ def test_two_processes_match_one(tiny_model, tmp_path, script, extra):
         assert not torch.allclose(base(ids).logits, l2, atol=1e-4)  # the FSDP checkpoint holds the trained weights
 
 
+def test_shared_prompt_dpo_two_processes_match_one(tiny_model, tmp_path):
+    """Turn-level DPO with the prompt run once per pair (a KV cache under FSDP2) matches one process."""
+    import json
+    import colbench
+    tok = common.load_tokenizer(tiny_model)
+    pairs = []
+    for i in range(4):
+        prompt = common.render_prompt(tok, colbench.agent_messages({}, [{"role": "user", "content": f"Write f{i}(x)."}]))
+        pairs.append({"prompt": prompt, "chosen": f"What should f{i} return?", "rejected": f"I WANT TO ANSWER: def f{i}(x): return {i}"})
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    logs = []
+    for n in (1, 2):
+        launch(n, "train_dpo.py", "--pairs", tmp_path / "pairs.jsonl", "--model", tiny_model, "--output_dir",
+               tmp_path / f"out{n}", "--lr", "1e-3", "--batch_size", "2", "--epochs", "2")
+        logs.append(read_jsonl(tmp_path / f"out{n}" / "log.jsonl"))
+    assert len(logs[0]) == len(logs[1]) == 4
+    assert [r["loss"] for r in logs[1]] == pytest.approx([r["loss"] for r in logs[0]], abs=1e-5)
+    assert logs[0][-1]["loss"] != pytest.approx(logs[0][0]["loss"], abs=1e-6)
+
+
 def test_two_processes_killed_and_resumed_match_one_uninterrupted(tiny_model, tmp_path):
     """The resume state is written shard by shard under FSDP2; a torchrun killed with SIGKILL and
     relaunched with --resume ends where one uninterrupted process does."""

@@ -118,10 +118,10 @@ def test_label_turns_advantage_equals_critic_score(tok_model, tiny_model, tmp_pa
     prompt = common.render_prompt(tok, colbench.agent_messages(TASK, [{"role": "user", "content": TASK["problem_description"]}]))
     cands = ["What is the factor?", "I WANT TO ANSWER: def f(x): return x * 2", "ok"]
     prefix = train_critic.training_info(TASK)
-    p_ids, c_ids = label_turns.encode_state(tok, prefix, prompt, cands, 4096)
+    p_ids, c_ids = common.encode_shared(tok, prefix, prompt, cands, 4096)
     with torch.no_grad():
-        crit_sum, count = label_turns.score_candidates(critic, p_ids, c_ids)
-        ref_sum, _ = label_turns.score_candidates(ref, p_ids, c_ids)
+        crit_sum, count = common.shared_prompt_logprobs(critic, p_ids, c_ids)
+        ref_sum, _ = common.shared_prompt_logprobs(ref, p_ids, c_ids)
         labelled = train_critic.turn_advantage(crit_sum, ref_sum, count, beta=0.3)
         for c, adv in zip(cands, labelled.tolist()):
             seqs = common.tokenize_turns(tok, [(prompt, c)], prefix)
@@ -137,12 +137,38 @@ def test_prefix_reuse_scoring_equals_naive(tok_model):
     prompt = common.render_prompt(tok, colbench.agent_messages(TASK, [{"role": "user", "content": TASK["problem_description"]}]))
     cands = ["What is the factor?", "I WANT TO ANSWER: def f(x): return x * 2", "?", "Tell me more about x please"]
     prefix = train_critic.training_info(TASK)
-    p_ids, c_ids = label_turns.encode_state(tok, prefix, prompt, cands, 4096)
+    p_ids, c_ids = common.encode_shared(tok, prefix, prompt, cands, 4096)
     with torch.no_grad():
-        fast, counts = label_turns.score_candidates(model, p_ids, c_ids)
+        fast, counts = common.shared_prompt_logprobs(model, p_ids, c_ids)
         for c, f, k in zip(cands, fast, counts):
             s, n = common.turn_logprobs(model, common.tokenize_turns(tok, [(prompt, c)], prefix), 1)
             assert f.item() == pytest.approx(s.item(), abs=1e-4) and k.item() == n.item()
+
+
+def test_shared_prompt_dpo_gradients_equal_two_passes(tok_model):
+    """The DPO loss of a pair, with the prompt run once (KV cache, gradients through it) and with
+    prompt + turn run twice: loss and every parameter's gradient agree within 1e-4."""
+    tok, model = tok_model
+    prompt = common.render_prompt(tok, colbench.agent_messages(TASK, [{"role": "user", "content": TASK["problem_description"]}]))
+    chosen, rejected = "What is the factor?", "I WANT TO ANSWER: def f(x): return x * 2"
+    ref = torch.tensor([-30.0, -45.0])
+
+    def loss_and_grads(logp_c, logp_r):
+        loss = -torch.nn.functional.logsigmoid(0.1 * ((logp_c - ref[0]) - (logp_r - ref[1]))) + 0.01 * -logp_c
+        model.zero_grad()
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    p_ids, conts = common.encode_shared(tok, "", prompt, [chosen, rejected], 4096)
+    sums, _ = common.shared_prompt_logprobs(model, p_ids, conts)
+    shared = loss_and_grads(sums[0], sums[1])
+    (c, _), (r, _) = (common.turn_logprobs(model, common.tokenize_turns(tok, [(prompt, t)]), 1) for t in (chosen, rejected))
+    twice = loss_and_grads(c.sum(), r.sum())
+    assert shared[0] == pytest.approx(twice[0], abs=1e-4)
+    assert max(g.abs().max().item() for g in twice[1].values()) > 1e-3  # real gradients, not all zero
+    for name, g in twice[1].items():
+        assert torch.allclose(shared[1][name], g, atol=1e-4, rtol=1e-4), name
+    model.zero_grad()
 
 
 def test_pairs_come_from_opposite_halves():
@@ -220,6 +246,13 @@ def test_label_turns_then_dpo_modes(tiny_model, tmp_path):
     run_script("train_dpo.py", "--pairs", tmp_path / "pairs.jsonl", "--model", tiny_model, "--output_dir",
                tmp_path / "sweet", "--lr", "1e-3")
     log = read_jsonl(tmp_path / "sweet" / "log.jsonl")
+    run_script("train_dpo.py", "--pairs", tmp_path / "pairs.jsonl", "--model", tiny_model, "--output_dir",
+               tmp_path / "sweet_unshared", "--lr", "1e-3", "--no_shared_prompt")
+    unshared = read_jsonl(tmp_path / "sweet_unshared" / "log.jsonl")  # prompt + turn twice: the same run
+    assert len(unshared) == len(log) >= 1
+    for a, b in zip(log, unshared):
+        for k in ("loss", "grad_norm", "rewards/margins", "nll"):
+            assert a[k] == pytest.approx(b[k], abs=1e-4), (k, a[k], b[k])
     assert {"rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "nll"} <= set(log[0])
     assert log[0]["rewards/margins"] == pytest.approx(0, abs=1e-5)  # policy == pi_ref before the first step
     for mode in ("trajectory", "sft"):
@@ -258,7 +291,7 @@ def test_truncation_keeps_training_information(tok_model):
     assert turn_of[:n_pre] == [-1] * n_pre and turn_of[-1] == 1  # c never counts; the last turn survives
     cands = ["I WANT TO ANSWER: x"]
     prompt = long_traj["dialogue_history"][-1]["input"]
-    p_ids, c_ids = label_turns.encode_state(tok, prefix, prompt, cands, n_pre + 30)
+    p_ids, c_ids = common.encode_shared(tok, prefix, prompt, cands, n_pre + 30)
     assert p_ids[:n_pre] == full[:n_pre] and len(p_ids) + len(c_ids[0]) <= n_pre + 30
 
 

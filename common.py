@@ -398,8 +398,11 @@ def local_device():
 
 
 class HFSampler:
-    """transformers in process: all prompts as one left-padded batch (seeded once per process)."""
-    def __init__(self, model, temperature, top_p, max_new_tokens, loaded=None):
+    """transformers in process: all prompts as one left-padded batch (seeded once per process).
+    reuse_cache (rollouts): each dialogue keeps its KV cache from one turn to the next (the key's
+    dialogue part, key minus its last '/' field), so a turn runs only the tokens its prompt adds:
+    the human's reply and the chat template's markers. Dialogues absent from a call are dropped."""
+    def __init__(self, model, temperature, top_p, max_new_tokens, loaded=None, reuse_cache=False):
         import torch
         from transformers import AutoModelForCausalLM
         self.torch, self.temperature, self.top_p, self.max_new_tokens = torch, temperature, top_p, max_new_tokens
@@ -409,15 +412,73 @@ class HFSampler:
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.model = loaded if loaded is not None else \
             AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=dtype).to(self.device).eval()
+        self.reuse, self.cache = reuse_cache, {}  # dialogue -> (token ids, [(keys, values)] per layer)
+        self.prompt_tokens = {"reused": 0, "run": 0}  # prompt tokens taken from a cache / run through the model
 
     def generate(self, prompts, keys=None):
+        if self.reuse and keys:
+            return self.generate_reusing(prompts, [k.rsplit("/", 1)[0] for k in keys])
         batch = self.tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+        new = self._generate(batch["input_ids"], batch["attention_mask"])
+        return self.tok.batch_decode(new, skip_special_tokens=True)
+
+    def _generate(self, input_ids, attention_mask, cache=None, return_cache=False):
         sample = self.temperature > 0
         with self.torch.no_grad():
-            out = self.model.generate(**batch, max_new_tokens=self.max_new_tokens, do_sample=sample,
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
+                                      max_new_tokens=self.max_new_tokens, do_sample=sample,
                                       temperature=self.temperature if sample else None, top_p=self.top_p if sample else None,
-                                      top_k=None, pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id)
-        new = out[:, batch["input_ids"].shape[1]:]  # [batch, new_tokens]
+                                      top_k=None, pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id,
+                                      return_dict_in_generate=return_cache)
+        if return_cache:
+            return out.sequences[:, input_ids.shape[1]:], out.past_key_values
+        return out[:, input_ids.shape[1]:]  # [batch, new_tokens]
+
+    def generate_reusing(self, prompts, dialogues):
+        """One batch whose rows are [pad][cached tokens][pad][new prompt tokens]: the cached part comes
+        from each dialogue's cache (kept up to the longest common prefix with the new prompt), the
+        attention mask hides the pads, and positions follow the mask, so every row computes what it
+        would alone."""
+        torch = self.torch
+        from transformers import DynamicCache
+        ids = [self.tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        old = {d: self.cache[d] for d in dialogues if d in self.cache}
+        reuse = []
+        for d, x in zip(dialogues, ids):
+            n = 0
+            if d in old:
+                c = old[d][0]
+                while n < min(len(c), len(x) - 1) and c[n] == x[n]:  # at least one new token runs
+                    n += 1
+            reuse.append(n)
+            self.prompt_tokens["reused"] += n
+            self.prompt_tokens["run"] += len(x) - n
+        B, Lc, Ls = len(ids), max(reuse), max(len(x) - n for x, n in zip(ids, reuse))
+        input_ids = torch.full((B, Lc + Ls), self.tok.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((B, Lc + Ls), dtype=torch.long)
+        for i, (x, n) in enumerate(zip(ids, reuse)):
+            input_ids[i, Lc - n:Lc], mask[i, Lc - n:Lc] = torch.tensor(x[:n], dtype=torch.long), 1
+            input_ids[i, Lc + Ls - (len(x) - n):], mask[i, Lc + Ls - (len(x) - n):] = torch.tensor(x[n:], dtype=torch.long), 1
+        cache = None
+        if Lc:
+            cache = DynamicCache()
+            some = next(iter(old.values()))[1]
+            for layer, (k0, v0) in enumerate(some):
+                k = k0.new_zeros((B, k0.shape[1], Lc, k0.shape[3]))
+                v = v0.new_zeros((B, v0.shape[1], Lc, v0.shape[3]))
+                for i, (d, n) in enumerate(zip(dialogues, reuse)):
+                    if n:
+                        k[i, :, Lc - n:], v[i, :, Lc - n:] = (t[0, :, :n] for t in old[d][1][layer])
+                cache.update(k, v, layer)
+        new, out_cache = self._generate(input_ids.to(self.device), mask.to(self.device), cache, return_cache=True)
+        self.cache = {}  # dialogues absent from this call have ended
+        kv = [(layer.keys, layer.values) for layer in out_cache.layers]
+        for i, (d, x) in enumerate(zip(dialogues, ids)):
+            gen = new[i].tolist()
+            m = next((j + 1 for j, t in enumerate(gen) if t in (self.tok.eos_token_id, self.tok.pad_token_id)), len(gen))
+            m = min(m, len(gen) - 1)  # the last generated token has no KV yet
+            keep = torch.cat([mask[i].nonzero().squeeze(1), torch.arange(Lc + Ls, Lc + Ls + m)]).to(self.device)
+            self.cache[d] = (x + gen[:m], [(k[i:i + 1, :, keep], v[i:i + 1, :, keep]) for k, v in kv])
         return self.tok.batch_decode(new, skip_special_tokens=True)
 
 
@@ -452,10 +513,10 @@ class VLLMSampler:
 
 
 def make_sampler(backend, model, temperature, top_p, max_new_tokens, seed, url="", workers=16,
-                 gpu_memory_utilization=0.9, loaded=None):
+                 gpu_memory_utilization=0.9, loaded=None, reuse_cache=False):
     """The agent's sampler for backend hf | openai | vllm."""
     if backend == "hf":
-        return HFSampler(model, temperature, top_p, max_new_tokens, loaded)
+        return HFSampler(model, temperature, top_p, max_new_tokens, loaded, reuse_cache)
     if backend == "openai":
         return OpenAISampler(model, temperature, top_p, max_new_tokens, seed, url, workers)
     return VLLMSampler(model, temperature, top_p, max_new_tokens, seed, gpu_memory_utilization)
@@ -840,7 +901,7 @@ def step_line(step, epoch, sums, grad_norm, seconds, extra=None):
     tokens = sums.pop("tokens", 0)
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
     return {"step": step, "epoch": epoch, **{k: v / n for k, v in sums.items()}, "grad_norm": grad_norm,
-            "tokens_per_s": tokens / seconds, **(extra or {})}
+            "tokens_per_s": tokens / seconds, "seconds": seconds, **(extra or {})}
 
 
 def tqdm_if(it, show, desc):

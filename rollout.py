@@ -92,6 +92,8 @@ class Args:
     """oracle backend: share of dialogues with a budget of fewer questions than facts, guessing the rest"""
     oracle_detour: float = 0.0
     """oracle backend: chance that a question is wasted (asks again about a revealed fact, or about nothing the facts cover)"""
+    reuse_cache: bool = True
+    """hf backend: keep each dialogue's KV cache from turn to turn, so a turn runs only its new tokens"""
     prompt_dir: str = ""
     """a folder of prompt templates replacing ours, in the released message format (agent_TYPE.txt and
     human_TYPE.txt, or a released checkout's prompts/); start the scripted simulator with the same one"""
@@ -216,7 +218,7 @@ def main(args):
                               timeout=args.simulator_timeout, retry_time=args.simulator_retry_s)
     agent = OracleAgent(args.agent_model, args) if args.agent_backend == "oracle" else common.make_sampler(
         args.agent_backend, args.agent_model, args.temperature, args.top_p, args.max_new_tokens, args.seed + shard,
-        args.agent_url, args.batch_size, args.gpu_memory_utilization)
+        args.agent_url, args.batch_size, args.gpu_memory_utilization, reuse_cache=args.reuse_cache)
     max_chars = colbench.HUMAN_MAX_CHARS[args.task_type]
     pool = render.RenderPool(args.render_workers) if args.task_type == "html" else None
     targets = {}  # html: task_id -> the target page's render, once per task

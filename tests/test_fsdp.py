@@ -93,7 +93,6 @@ def test_two_processes_killed_and_resumed_match_one_uninterrupted(tiny_model, tm
     """The resume state is written shard by shard under FSDP2; a torchrun killed with SIGKILL and
     relaunched with --resume ends where one uninterrupted process does."""
     import json
-    import signal
     import time
     tok = common.load_tokenizer(tiny_model)
     write_graded(tok, tmp_path / "g.jsonl", n_tasks=8)

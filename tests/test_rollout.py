@@ -48,6 +48,33 @@ def test_hf_rollout_schema_resume_and_reproducible(tiny_model, task_files, simul
     assert strip(read_jsonl(tmp_path / "b.jsonl")) == strip(read_jsonl(tmp_path / "c.jsonl"))
 
 
+def test_kv_cache_reuse_across_turns_changes_nothing(tiny_model, task_files, simulator_url, tmp_path):
+    """Greedy rollouts with each dialogue's KV cache kept between turns equal those that re-read the
+    whole dialogue every turn; and the cache is really used (most prompt tokens of later turns)."""
+    train, _ = task_files
+    base = ["--agent_model", tiny_model, "--max_new_tokens", "10", "--max_turns", "3", "--temperature", "0",
+            "--num_tasks", "4", "--batch_size", "3"]
+    rollout(train, tmp_path / "reuse.jsonl", simulator_url, *base)
+    rollout(train, tmp_path / "plain.jsonl", simulator_url, *base, "--no_reuse_cache")
+    a, b = read_jsonl(tmp_path / "reuse.jsonl"), read_jsonl(tmp_path / "plain.jsonl")
+    key = lambda r: (r["task_id"], r["sample"])
+    assert sorted(a, key=key) == sorted(b, key=key) and sum(r["num_turns"] for r in a) > len(a)
+    sampler = common.HFSampler(tiny_model, 0.0, 1.0, 6, reuse_cache=True)
+    plain = common.HFSampler(tiny_model, 0.0, 1.0, 6)
+    dialogues = [[{"role": "user", "content": "Write f(x)."}], [{"role": "user", "content": "Write a longer g(x, y) please."}]]
+    for turn in range(3):
+        prompts = [common.render_prompt(sampler.tok, colbench.agent_messages({}, d)) for d in dialogues]
+        keys = [f"d{i}/{turn}" for i in range(2)]
+        before = dict(sampler.prompt_tokens)
+        out = sampler.generate(prompts, keys)
+        assert out == plain.generate(prompts, keys)
+        if turn:
+            reused = sampler.prompt_tokens["reused"] - before["reused"]
+            assert reused > sampler.prompt_tokens["run"] - before["run"]  # most of the prompt came from the cache
+        for d, o in zip(dialogues, out):
+            d += [{"role": "assistant", "content": o}, {"role": "user", "content": f"Reply {turn}."}]
+
+
 def test_oracle_solves_tasks_and_shards_merge(task_files, simulator_url, tmp_path, tiny_model):
     train, _ = task_files
     for i in range(2):

@@ -1,6 +1,7 @@
 """Turn-level DPO speed, side by side with TRL's DPOTrainer: the same model (fp32, CPU), the same
 pairs, batch size, beta, learning rate, sigmoid loss and number of optimizer steps; reference
-log-probs precomputed by both. Timed: the optimizer steps only (not loading, not the reference pass).
+log-probs precomputed by both, one pair per forward in both. Timed: the optimizer steps only (not
+loading, not the reference pass).
 
     pip install --no-deps -t /tmp/trl_site trl           # TRL for the bench only (not in requirements.txt)
     python bench/bench_dpo.py --trl_path /tmp/trl_site [--pairs runs/default/pairs.jsonl]
@@ -98,19 +99,21 @@ with tempfile.TemporaryDirectory() as d:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
 
-    class StepTimer(TrainerCallback):
-        seconds = 0.0
+    class StepTimer(TrainerCallback):  # from the first step's start to the end of training
+        t0, seconds = None, 0.0
 
         def on_step_begin(self, args, state, control, **kw):
-            self.t0 = time.time()
+            StepTimer.t0 = StepTimer.t0 or time.time()
 
-        def on_step_end(self, args, state, control, **kw):
-            StepTimer.seconds += time.time() - self.t0
+        def on_train_end(self, args, state, control, **kw):
+            StepTimer.seconds = time.time() - StepTimer.t0
 
     model = AutoModelForCausalLM.from_pretrained(common.resolve_model(a.model), dtype=torch.float32)
     config = trl.DPOConfig(output_dir=os.path.join(d, "trl"), beta=a.beta, loss_type=["sigmoid"], learning_rate=a.lr,
                            lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-                           per_device_train_batch_size=a.batch_size, gradient_accumulation_steps=1, num_train_epochs=1,
+                           # one pair per forward, as ours: 8 pairs in one padded batch of 16 sequences were
+                           # killed for memory at 24 GiB (their logits alone are 16 x 700 x 49k floats)
+                           per_device_train_batch_size=1, gradient_accumulation_steps=a.batch_size, num_train_epochs=1,
                            max_length=None, precompute_ref_log_probs=True, logging_steps=1, save_strategy="no",
                            bf16=False, gradient_checkpointing=False,  # TRL's defaults; ours: fp32, no checkpointing
                            report_to="none", use_cpu=True, seed=0, dataloader_num_workers=0)

@@ -31,7 +31,7 @@ with tempfile.TemporaryDirectory() as d:
         t0 = time.time()
         subprocess.run([py, "rollout.py", "--tasks", f"{d}/t.jsonl", "--output", out, "--agent_model", a.model,
                         "--simulator_url", url, "--max_turns", str(a.max_turns), "--max_new_tokens", str(a.max_new_tokens),
-                        "--batch_size", str(bs), "--seed", "0", "--reuse_cache" if reuse else "--no_reuse_cache"],
+                        "--batch_size", str(bs), "--seed", "0", *([] if reuse else ["--no_reuse_cache"])],
                        cwd=ROOT, check=True, capture_output=True)
         dt = time.time() - t0
         turns = sum(json.loads(l)["num_turns"] for l in open(out))

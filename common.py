@@ -419,20 +419,19 @@ class HFSampler:
         if self.reuse and keys:
             return self.generate_reusing(prompts, [k.rsplit("/", 1)[0] for k in keys])
         batch = self.tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
-        new = self._generate(batch["input_ids"], batch["attention_mask"])
+        new, _ = self._generate(batch["input_ids"], batch["attention_mask"])
         return self.tok.batch_decode(new, skip_special_tokens=True)
 
-    def _generate(self, input_ids, attention_mask, cache=None, return_cache=False):
+    def _generate(self, input_ids, attention_mask, cache=None):
+        """(new tokens [batch, new_tokens], the KV cache after them)"""
         sample = self.temperature > 0
         with self.torch.no_grad():
             out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
                                       max_new_tokens=self.max_new_tokens, do_sample=sample,
                                       temperature=self.temperature if sample else None, top_p=self.top_p if sample else None,
                                       top_k=None, pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id,
-                                      return_dict_in_generate=return_cache)
-        if return_cache:
-            return out.sequences[:, input_ids.shape[1]:], out.past_key_values
-        return out[:, input_ids.shape[1]:]  # [batch, new_tokens]
+                                      return_dict_in_generate=True)
+        return out.sequences[:, input_ids.shape[1]:], out.past_key_values
 
     def generate_reusing(self, prompts, dialogues):
         """One batch whose rows are [pad][cached tokens][pad][new prompt tokens]: the cached part comes
@@ -442,7 +441,7 @@ class HFSampler:
         torch = self.torch
         from transformers import DynamicCache
         ids = [self.tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        old = {d: self.cache[d] for d in dialogues if d in self.cache}
+        old = self.cache  # replaced below by this call's dialogues
         reuse = []
         for d, x in zip(dialogues, ids):
             n = 0
@@ -462,7 +461,7 @@ class HFSampler:
         cache = None
         if Lc:
             cache = DynamicCache()
-            some = next(iter(old.values()))[1]
+            some = next(old[d] for d, n in zip(dialogues, reuse) if n)[1]  # shapes
             for layer, (k0, v0) in enumerate(some):
                 k = k0.new_zeros((B, k0.shape[1], Lc, k0.shape[3]))
                 v = v0.new_zeros((B, v0.shape[1], Lc, v0.shape[3]))
@@ -470,7 +469,7 @@ class HFSampler:
                     if n:
                         k[i, :, Lc - n:], v[i, :, Lc - n:] = (t[0, :, :n] for t in old[d][1][layer])
                 cache.update(k, v, layer)
-        new, out_cache = self._generate(input_ids.to(self.device), mask.to(self.device), cache, return_cache=True)
+        new, out_cache = self._generate(input_ids.to(self.device), mask.to(self.device), cache)
         self.cache = {}  # dialogues absent from this call have ended
         kv = [(layer.keys, layer.values) for layer in out_cache.layers]
         for i, (d, x) in enumerate(zip(dialogues, ids)):

@@ -16,7 +16,8 @@ For each state o_t (PAPER.md §3): sample N candidate turns a from the policy; s
 temperature and vLLM version). Per state, up to pairs_per_state distinct pairs: one candidate
 drawn from the better half by advantage, one from the worse half; the higher one is chosen.
 
-Scoring shares work: the prompt (c + o_t) is run once, and the N candidates run as one batch
+Sampling is batched: the N candidates of --state_batch states are one batch (hf: one padded
+generate call). Scoring shares work: the prompt (c + o_t) is run once, and the N candidates run as one batch
 on its KV cache (common.shared_prompt_logprobs); it equals naive one-by-one scoring (tests check 1e-4).
 
 Turn-credit accuracy (procedural code tasks): every candidate's true class (colbench.turn_class) is
@@ -75,6 +76,8 @@ class Args:
     """openai backend: server URL"""
     batch_size: int = 16
     """openai backend: concurrent requests"""
+    state_batch: int = 8
+    """states whose candidates are sampled in one batch (hf: one padded batch of state_batch x N prompts)"""
     seed: int = 0
     """sampling and pair drawing"""
     shard: str = ""
@@ -134,6 +137,7 @@ def main(args):
     common.refuse(args.num_candidates < 2 and "--num_candidates must be at least 2 (pairs need two candidates)",
                   args.pairs_per_state < 1 and "--pairs_per_state must be at least 1",
                   not 0 < args.data_fraction <= 1 and "--data_fraction must be in (0, 1]",
+                  args.state_batch < 1 and "--state_batch must be at least 1",
                   args.temperature <= 0 and "--temperature must be positive (greedy candidates are all the same)",
                   not 0 < args.top_p <= 1 and "--top_p must be in (0, 1]",
                   args.agent_backend not in ("hf", "openai", "vllm") and "--agent_backend: choose hf, openai or vllm",
@@ -194,35 +198,48 @@ def label(args, todo, critic_dirs, critic_settings, ref_name, policy_name, rng, 
                                              loaded=ref if policy_name == ref_name else None)
     gt_results = {}  # task_id -> the ground truth's results, to grade candidate answers (procedural tasks)
 
-    for traj, turn, prompt in common.tqdm_if(todo, True, "states"):
-        keys = [f"{traj['task_id']}/{traj.get('sample', 0)}/{turn}/{k}" for k in range(args.num_candidates)]
-        candidates = sampler.generate([prompt] * args.num_candidates, keys)  # the policy never sees c
-        advantages, ref_scores = {}, {}
-        for name, critic in critics.items():
-            s = critic_settings[name]
-            prefix = training_info(traj["task"], s.get("no_training_info", False))  # c reaches the critic and pi_ref
-            prompt_ids, cand_ids = common.encode_shared(tok, prefix, prompt, candidates, args.max_len)
-            with torch.no_grad():
-                logp_sum, count = common.shared_prompt_logprobs(critic, prompt_ids, cand_ids)
-                if prefix not in ref_scores:  # pi_ref once per distinct input
-                    ref_scores[prefix] = common.shared_prompt_logprobs(ref, prompt_ids, cand_ids)[0]
-            ref_sum = ref_scores[prefix]
-            advantages[name] = turn_advantage(logp_sum, ref_sum, count, s["beta"]).tolist()  # train_critic's A(o_t, a_t, c)
-        advantage = advantages["sweet"]
-        base = {"task_id": traj["task_id"], "sample": traj.get("sample", 0), "turn": turn}
-        for a, b in make_pairs(candidates, advantage, args.pairs_per_state, rng):
-            pairs_out.write({"prompt": prompt, "chosen": candidates[a], "rejected": candidates[b],
-                             "chosen_advantage": advantage[a], "rejected_advantage": advantage[b], **base})
-        row = {**base, "candidates": candidates, "advantages": advantage}
-        task = traj["task"]
-        if "family" in task and "test_cases" in task:  # procedural code task: every candidate's true class
-            if task["task_id"] not in gt_results:
-                gt_results[task["task_id"]] = sandbox.run_calls(task["ground_truth"], list(task["test_cases"].items()))
-            grade = lambda code: sandbox.grade_code(task, code, gt_results=gt_results[task["task_id"]])["success"]
-            before = state_dialogue(traj, turn)
-            row["classes"] = [colbench.turn_class(task, before, c, turn >= args.max_turns - 1, grade) for c in candidates]
-            row["advantages_by_critic"] = advantages
-        state_log.write(row)
+    bar = common.tqdm_if(None, True, "states", total=len(todo))
+    for first in range(0, len(todo), args.state_batch):  # candidates of state_batch states in one sampling batch
+        chunk = todo[first:first + args.state_batch]
+        keys = [f"{traj['task_id']}/{traj.get('sample', 0)}/{turn}/{k}" for traj, turn, _ in chunk
+                for k in range(args.num_candidates)]
+        sampled = sampler.generate([prompt for _, _, prompt in chunk for _ in range(args.num_candidates)], keys)
+        for j, (traj, turn, prompt) in enumerate(chunk):  # the policy never sees c
+            label_state(args, traj, turn, prompt, sampled[j * args.num_candidates:(j + 1) * args.num_candidates], tok,
+                        critics, critic_settings, ref, rng, gt_results, pairs_out, state_log)
+            bar.update(1)
+    bar.close()
+
+
+def label_state(args, traj, turn, prompt, candidates, tok, critics, critic_settings, ref, rng, gt_results, pairs_out,
+                state_log):
+    """Score one state's candidates with every critic, write its pairs and its states.jsonl row."""
+    advantages, ref_scores = {}, {}
+    for name, critic in critics.items():
+        s = critic_settings[name]
+        prefix = training_info(traj["task"], s.get("no_training_info", False))  # c reaches the critic and pi_ref
+        prompt_ids, cand_ids = common.encode_shared(tok, prefix, prompt, candidates, args.max_len)
+        with torch.no_grad():
+            logp_sum, count = common.shared_prompt_logprobs(critic, prompt_ids, cand_ids)
+            if prefix not in ref_scores:  # pi_ref once per distinct input
+                ref_scores[prefix] = common.shared_prompt_logprobs(ref, prompt_ids, cand_ids)[0]
+        ref_sum = ref_scores[prefix]
+        advantages[name] = turn_advantage(logp_sum, ref_sum, count, s["beta"]).tolist()  # train_critic's A(o_t, a_t, c)
+    advantage = advantages["sweet"]
+    base = {"task_id": traj["task_id"], "sample": traj.get("sample", 0), "turn": turn}
+    for a, b in make_pairs(candidates, advantage, args.pairs_per_state, rng):
+        pairs_out.write({"prompt": prompt, "chosen": candidates[a], "rejected": candidates[b],
+                         "chosen_advantage": advantage[a], "rejected_advantage": advantage[b], **base})
+    row = {**base, "candidates": candidates, "advantages": advantage}
+    task = traj["task"]
+    if "family" in task and "test_cases" in task:  # procedural code task: every candidate's true class
+        if task["task_id"] not in gt_results:
+            gt_results[task["task_id"]] = sandbox.run_calls(task["ground_truth"], list(task["test_cases"].items()))
+        grade = lambda code: sandbox.grade_code(task, code, gt_results=gt_results[task["task_id"]])["success"]
+        before = state_dialogue(traj, turn)
+        row["classes"] = [colbench.turn_class(task, before, c, turn >= args.max_turns - 1, grade) for c in candidates]
+        row["advantages_by_critic"] = advantages
+    state_log.write(row)
 
 
 def report_credit(args, out_path, critic_dirs):

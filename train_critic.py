@@ -15,7 +15,8 @@ Pairs: per task the best sample must succeed; every lower-reward sample is a rej
 
 Logged: loss; acc = share of pairs whose chosen score is higher; margin = score(chosen) -
 score(rejected); heldout_* the same on 10% of the tasks' pairs (held out, never trained on);
-tokens_per_s.
+tokens_per_s. final_metrics.json: the held-out pairs after training (+ every train pair with
+--train_metrics).
 
 Deviations from the paper / released code:
 1. `--normalization trajectory` reproduces the released code: one mean over all agent tokens of
@@ -67,10 +68,15 @@ class Args:
     """share of tasks whose pairs are held out for evaluation"""
     eval_every: int = 5
     """log the held-out pairs' loss/acc/margin every N steps (0 = only at the end)"""
+    train_metrics: bool = False
+    """at the end, also score every train pair (a forward pass over all of them) into final_metrics.json"""
     train_layers: int = 0
     """train only the top N decoder layers (+ final norm; 0 = all): a cheaper backward on CPU"""
     grad_ckpt: bool = False
-    """activation checkpointing"""
+    """activation checkpointing (implies --no_shared_prefix)"""
+    shared_prefix: bool = True
+    """run a pair's common prefix (c + the first prompt) once, both rests as one batch on its KV cache
+    (same loss and gradients as running each trajectory whole; --no_shared_prefix does that)"""
     save_every: int = 50
     """save the training state (model + optimizer) every N steps to OUTPUT_DIR/resume (0 = never)"""
     resume: bool = False
@@ -145,20 +151,35 @@ def main(args):
 
     critic = common.shard_model(common.load_model(args.model, device, args.grad_ckpt, train_layers=args.train_layers),
                                 world, device)
-    # pi_ref = the starting critic weights: its per-turn log-probs once, before any update
-    tlist = list(trajs.values())
-    ref_fn = lambda m, t: [x.tolist() for x in common.turn_logprobs(m, t["seqs"], len(t["turns"]))]
-    for t, (s, c) in zip(tlist, common.precompute(critic, tlist, ref_fn, rank, world)):
-        t["ref_sum"], t["ref_count"] = s, c
+    def turn_logprobs(m, group):
+        """Per-turn (sum, count) of agent-token log-probs of trajectories of one task ([n_turns] each)."""
+        if args.shared_prefix and not args.grad_ckpt:  # c + first prompt once (common.shared_prefix_turn_logprobs)
+            return common.shared_prefix_turn_logprobs(m, [(t["seqs"], len(t["turns"])) for t in group])
+        return [common.turn_logprobs(m, t["seqs"], len(t["turns"])) for t in group]
 
-    def score(m, t):
-        logp_sum, count = common.turn_logprobs(m, t["seqs"], len(t["turns"]))  # [n_turns] each
-        ref_sum = torch.tensor(t["ref_sum"], device=logp_sum.device)
-        return trajectory_score(logp_sum, ref_sum, count, args.beta, args.normalization)
+    # pi_ref = the starting critic weights: its per-turn log-probs once, before any update (per task)
+    groups = {}
+    for t in trajs.values():
+        groups.setdefault(t["task_id"], []).append(t)
+    groups = list(groups.values())
+    ref_fn = lambda m, g: [[x.tolist() for x in r] for r in turn_logprobs(m, g)]
+    for g, results in zip(groups, common.precompute(critic, groups, ref_fn, rank, world)):
+        for t, (s, c) in zip(g, results):
+            t["ref_sum"], t["ref_count"] = s, c
+
+    def scores(m, pair):
+        """score(tau) of both trajectories of a pair."""
+        logps = turn_logprobs(m, pair)
+        return [trajectory_score(logp_sum, torch.tensor(t["ref_sum"], device=logp_sum.device), count, args.beta,
+                                 args.normalization) for t, (logp_sum, count) in zip(pair, logps)]
+
+    def margin(m, pair):
+        s_c, s_r = scores(m, pair)
+        return (s_c - s_r).item()
 
     def pair_loss(m, pair):
         chosen, rejected = pair
-        s_c, s_r = score(m, chosen), score(m, rejected)
+        s_c, s_r = scores(m, pair)
         loss = critic_loss(s_c, s_r)
         return loss, {"loss": loss.item(), "acc": float(s_c > s_r), "margin": (s_c - s_r).item(),
                       "tokens": sum(len(s[0]) for s in chosen["seqs"] + rejected["seqs"])}
@@ -168,7 +189,7 @@ def main(args):
         if not eval_pairs:
             return {}
         critic.eval()
-        margins = torch.tensor(common.precompute(critic, eval_pairs, lambda m, p: (score(m, p[0]) - score(m, p[1])).item(),
+        margins = torch.tensor(common.precompute(critic, eval_pairs, margin,
                                                  rank, world, desc=f"{name} pairs"))
         critic.train()
         return {f"{name}_loss": F.softplus(-margins).mean().item(), f"{name}_acc": (margins > 0).float().mean().item(),
@@ -206,7 +227,7 @@ def main(args):
         if args.save_every and step % args.save_every == 0 and step < len(batches):
             common.save_training_state(critic, opt, out / "resume", step, order, rank)
 
-    final = {**pair_metrics("train", train_pairs), **pair_metrics("heldout", held_pairs)}
+    final = {**(pair_metrics("train", train_pairs) if args.train_metrics else {}), **pair_metrics("heldout", held_pairs)}
     if rank == 0:
         print("final " + " ".join(f"{k}={v:.4g}" for k, v in final.items()), flush=True)
         common.write_text(out / "final_metrics.json", json.dumps({"steps": len(log.history), **final}, indent=2))

@@ -171,6 +171,41 @@ def test_shared_prompt_dpo_gradients_equal_two_passes(tok_model):
     model.zero_grad()
 
 
+@pytest.mark.parametrize("first_turns", ["differ", "same"])
+def test_critic_pair_shared_prefix_equals_two_passes(tok_model, first_turns):
+    """A critic pair's Bradley-Terry loss with the common prefix (c + first prompt) run once and both
+    rests as one batch, and with each trajectory run whole: per-turn log-probs, loss and every
+    parameter's gradient agree within 1e-4."""
+    tok, model = tok_model
+    opening = "What factor?" if first_turns == "same" else "Is it 3?"
+    good = make_traj(tok, TASK, ["What factor?", "I WANT TO ANSWER: def f(x): return 2*x"], ["Double it."], 1.0, 0)
+    bad = make_traj(tok, TASK, [opening, "Anything else?", "I WANT TO ANSWER: def f(x): return x"],
+                    ["Double it.", "I don't know."], 0.0, 1)
+    prefix = train_critic.training_info(TASK)
+    trajs = [(common.tokenize_turns(tok, colbench.agent_turns(t), prefix), len(colbench.agent_turns(t))) for t in (good, bad)]
+
+    def loss_and_grads(results):
+        scores = [train_critic.trajectory_score(s, torch.zeros_like(s), n, 0.1) for s, n in results]
+        loss = train_critic.critic_loss(scores[0], scores[1])
+        model.zero_grad()
+        loss.backward()
+        return loss.item(), [s.detach() for s, _ in results], {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    shapes = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    shared = loss_and_grads(common.shared_prefix_turn_logprobs(model, trajs))
+    hook.remove()
+    assert shapes[0][0] == 1 and shapes[1][0] == 2  # the prefix once, then both rests in one batch
+    whole = loss_and_grads([common.turn_logprobs(model, seqs, n) for seqs, n in trajs])
+    assert shared[0] == pytest.approx(whole[0], abs=1e-4)
+    for a, b in zip(shared[1], whole[1]):
+        assert torch.allclose(a, b, atol=1e-4), (a, b)
+    assert max(g.abs().max().item() for g in whole[2].values()) > 1e-3  # real gradients, not all zero
+    for name, g in whole[2].items():
+        assert torch.allclose(shared[2][name], g, atol=1e-4, rtol=1e-4), name
+    model.zero_grad()
+
+
 def test_pairs_come_from_opposite_halves():
     rng = random.Random(0)
     cands = [f"c{i}" for i in range(16)]
@@ -207,7 +242,8 @@ def test_critic_learns_a_separable_toy_set(tiny_model, tmp_path):
     tok = common.load_tokenizer(tiny_model)
     write_graded(tok, tmp_path / "g.jsonl")
     run_script("train_critic.py", "--trajectories", tmp_path / "g.jsonl", "--model", tiny_model, "--output_dir",
-               tmp_path / "critic", "--lr", "3e-3", "--epochs", "6", "--batch_size", "4", "--heldout_fraction", "0.2")
+               tmp_path / "critic", "--lr", "3e-3", "--epochs", "6", "--batch_size", "4", "--heldout_fraction", "0.2",
+               "--train_metrics")
     log = read_jsonl(tmp_path / "critic" / "log.jsonl")
     final = json.loads((tmp_path / "critic" / "final_metrics.json").read_text())
     assert log[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)  # critic == pi_ref at step 1: every score is 0
@@ -223,6 +259,16 @@ def test_critic_learns_a_separable_toy_set(tiny_model, tmp_path):
     ckpt_log = read_jsonl(tmp_path / "critic_ckpt" / "log.jsonl")
     assert ckpt_log[0]["loss"] == pytest.approx(log[0]["loss"], abs=1e-6)
     assert ckpt_log[0]["grad_norm"] == pytest.approx(log[0]["grad_norm"], rel=1e-4)
+    # each trajectory run whole instead of the pair's prefix once: the same run
+    run_script("train_critic.py", "--trajectories", tmp_path / "g.jsonl", "--model", tiny_model, "--output_dir",
+               tmp_path / "critic_whole", "--lr", "3e-3", "--epochs", "6", "--batch_size", "4", "--heldout_fraction", "0.2",
+               "--no_shared_prefix")
+    whole = read_jsonl(tmp_path / "critic_whole" / "log.jsonl")
+    assert len(whole) == len(log)
+    for a, b in zip(log, whole):
+        for k in ("loss", "grad_norm", "margin", "heldout_loss"):
+            if k in a:
+                assert a[k] == pytest.approx(b[k], abs=1e-4), (k, a[k], b[k])
 
 
 def test_label_turns_then_dpo_modes(tiny_model, tmp_path):
@@ -231,7 +277,8 @@ def test_label_turns_then_dpo_modes(tiny_model, tmp_path):
     run_script("train_critic.py", "--trajectories", tmp_path / "g.jsonl", "--model", tiny_model, "--output_dir",
                tmp_path / "critic", "--lr", "1e-3", "--epochs", "1")
     args = ["--trajectories", tmp_path / "g.jsonl", "--critic", tmp_path / "critic", "--output", tmp_path / "pairs.jsonl",
-            "--num_candidates", "4", "--pairs_per_state", "2", "--max_new_tokens", "8", "--data_fraction", "0.5"]
+            "--num_candidates", "4", "--pairs_per_state", "2", "--max_new_tokens", "8", "--data_fraction", "0.5",
+            "--state_batch", "2"]  # 3 trajectories: sampled in batches of 2 states, then 1
     run_script("label_turns.py", *args)
     pairs = read_jsonl(tmp_path / "pairs.jsonl")
     states = read_jsonl(f"{tmp_path / 'pairs.jsonl'}.states.jsonl")

@@ -597,11 +597,12 @@ def turn_logprobs(model, seqs, num_turns):
 
 def shared_prefix_turn_logprobs(model, trajs, chunk=1024):
     """turn_logprobs of trajectories [(seqs, num_turns)] that begin alike (a critic pair: the same c and
-    first prompt): their common prefix, up to the first agent token, runs once, and the rest of each as
-    one right-padded batch on its KV cache, with gradients through the cache. Equal to turn_logprobs of
+    first prompt): their common prefix, up to the first agent token, runs once, then the rest of each on
+    a copy of its KV cache (no padding), with gradients through the cache. Equal to turn_logprobs of
     each (tests check 1e-4, gradients too). Falls back to that when a trajectory has several sequences
     or nothing is shared. Needs a KV cache (not with activation checkpointing)."""
     import torch
+    from transformers import DynamicCache
     ids = [seqs[0][0] for seqs, _ in trajs]
     tof = [seqs[0][1] for seqs, _ in trajs]
     p = min(next((i for i, t in enumerate(o) if t >= 0), len(o)) for o in tof)  # no agent token in the prefix
@@ -612,23 +613,16 @@ def shared_prefix_turn_logprobs(model, trajs, chunk=1024):
     device = next(model.parameters()).device
     out = model(input_ids=torch.tensor([ids[0][:p]], device=device), use_cache=True, logits_to_keep=1)
     first = out.logits[0, -1]  # predicts token p of every trajectory
-    cache = out.past_key_values
-    cache.batch_repeat_interleave(len(ids))
-    L = max(len(x) for x in ids) - p
-    batch = torch.zeros((len(ids), L), dtype=torch.long, device=device)
-    mask = torch.zeros((len(ids), p + L), dtype=torch.long, device=device)
-    mask[:, :p] = 1
-    for k, x in enumerate(ids):
-        batch[k, :len(x) - p] = torch.tensor(x[p:], device=device)
-        mask[k, p:len(x)] = 1
-    # suffix position j predicts token p + j + 1: keep the logits only where some trajectory needs them
-    need = sorted({a - p - 1 for pos in agent for a in pos if a > p})
-    row = {j: r for r, j in enumerate(need)}
-    logits = model(input_ids=batch, past_key_values=cache, attention_mask=mask,
-                   logits_to_keep=torch.tensor(need or [0], device=device)).logits  # [K, len(need), vocab]
+    prefix_kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
     results = []
-    for k, ((seqs, n), x, o, pos) in enumerate(zip(trajs, ids, tof, agent)):
-        lg = torch.stack([first if a == p else logits[k, row[a - p - 1]] for a in pos])
+    for (seqs, n), x, o, pos in zip(trajs, ids, tof, agent):
+        cache = DynamicCache()  # a fresh cache on the prefix's tensors: a rest appends to it, never to them
+        for layer, (k, v) in enumerate(prefix_kv):
+            cache.update(k, v, layer)
+        need = [a - p - 1 for a in pos if a > p]  # rest position j predicts token p + j + 1
+        logits = model(input_ids=torch.tensor([x[p:]], device=device), past_key_values=cache,
+                       logits_to_keep=torch.tensor(need or [0], device=device)).logits[0]
+        lg = torch.cat([first[None]] + ([logits] if need else [])) if pos[0] == p else logits
         tg = torch.tensor([x[a] for a in pos], device=device)
         logp = torch.cat([rows.float().gather(1, t[:, None]).squeeze(1) - torch.logsumexp(rows.float(), -1)
                           for rows, t in zip(lg.split(chunk), tg.split(chunk))])

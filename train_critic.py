@@ -75,7 +75,7 @@ class Args:
     grad_ckpt: bool = False
     """activation checkpointing (implies --no_shared_prefix)"""
     shared_prefix: bool = True
-    """run a pair's common prefix (c + the first prompt) once, both rests as one batch on its KV cache
+    """run a pair's common prefix (c + the first prompt) once, then each rest on its KV cache
     (same loss and gradients as running each trajectory whole; --no_shared_prefix does that)"""
     save_every: int = 50
     """save the training state (model + optimizer) every N steps to OUTPUT_DIR/resume (0 = never)"""

@@ -173,8 +173,8 @@ def test_shared_prompt_dpo_gradients_equal_two_passes(tok_model):
 
 @pytest.mark.parametrize("first_turns", ["differ", "same"])
 def test_critic_pair_shared_prefix_equals_two_passes(tok_model, first_turns):
-    """A critic pair's Bradley-Terry loss with the common prefix (c + first prompt) run once and both
-    rests as one batch, and with each trajectory run whole: per-turn log-probs, loss and every
+    """A critic pair's Bradley-Terry loss with the common prefix (c + first prompt) run once and each
+    rest on its KV cache, and with each trajectory run whole: per-turn log-probs, loss and every
     parameter's gradient agree within 1e-4."""
     tok, model = tok_model
     opening = "What factor?" if first_turns == "same" else "Is it 3?"
@@ -195,7 +195,8 @@ def test_critic_pair_shared_prefix_equals_two_passes(tok_model, first_turns):
     hook = model.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
     shared = loss_and_grads(common.shared_prefix_turn_logprobs(model, trajs))
     hook.remove()
-    assert shapes[0][0] == 1 and shapes[1][0] == 2  # the prefix once, then both rests in one batch
+    n_prefix = shapes[0][1]  # the prefix once, then each rest alone on it
+    assert len(shapes) == 3 and [n_prefix + b for _, b in shapes[1:]] == [len(seqs[0][0]) for seqs, _ in trajs]
     whole = loss_and_grads([common.turn_logprobs(model, seqs, n) for seqs, n in trajs])
     assert shared[0] == pytest.approx(whole[0], abs=1e-4)
     for a, b in zip(shared[1], whole[1]):

@@ -1,5 +1,6 @@
-"""Training speed and memory on real rollouts: train_critic.py and train_dpo.py (trajectory mode)
-on the first --num_tasks tasks of a graded file, one epoch each. Reports tokens/s (median over
+"""Training speed and memory on real rollouts: train_critic.py (each pair's common prefix run once,
+and with --no_shared_prefix each trajectory whole) and train_dpo.py (trajectory mode) on the first
+--num_tasks tasks of a graded file, one epoch each. Reports tokens/s (median over
 steps, from each run's log.jsonl) and the peak resident memory of each run.
 
     python bench/bench_train.py --trajectories runs/default/train_graded.jsonl --model runs/default/policy_warm
@@ -25,13 +26,14 @@ with tempfile.TemporaryDirectory() as d:
     with open(sub, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows if r["task_id"] in keep)
     for script, extra in (("train_critic.py", ["--epochs", "1", "--heldout_fraction", "0"]),
+                          ("train_critic.py", ["--epochs", "1", "--heldout_fraction", "0", "--no_shared_prefix"]),
                           ("train_dpo.py", ["--mode", "trajectory"])):
-        out = os.path.join(d, script)
+        out = os.path.join(d, script + "".join(extra))
         before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         subprocess.run([sys.executable, script, "--trajectories", sub, "--model", a.model, "--output_dir", out,
                         "--lr", "1e-6", "--batch_size", "4", *extra], cwd=ROOT, check=True, capture_output=True)
         peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         log = [json.loads(l) for l in open(os.path.join(out, "log.jsonl"))]
         tps = sorted(x["tokens_per_s"] for x in log)
-        print(f"{script}: {len(log)} steps, median {tps[len(tps) // 2]:.0f} tokens/s (forward+backward+AdamW), "
+        print(f"{script} {' '.join(extra)}: {len(log)} steps, median {tps[len(tps) // 2]:.0f} tokens/s (forward+backward+AdamW), "
               f"peak RSS {max(peak, before) / 1024:.0f} MiB")

@@ -575,10 +575,14 @@ def sequence_logprobs(model, ids, turn_of, chunk=1024):
     if len(target_pos) == 0:
         return torch.zeros(0, device=device), turn_t[:0]
     logits = model(input_ids=ids_t, logits_to_keep=target_pos - 1).logits[0]  # [n_agent_tokens, vocab]
-    targets = ids_t[0, target_pos]
-    logp = torch.cat([lg.float().gather(1, tg[:, None]).squeeze(1) - torch.logsumexp(lg.float(), dim=-1)
-                      for lg, tg in zip(logits.split(chunk), targets.split(chunk))])
-    return logp, turn_t[target_pos]
+    return token_logprobs(logits, ids_t[0, target_pos], chunk), turn_t[target_pos]
+
+
+def token_logprobs(logits, targets, chunk=1024):
+    """log softmax(logits)[target] of each row ([n, vocab], [n] -> [n]), in fp32, chunk rows at a time."""
+    import torch
+    return torch.cat([rows.float().gather(1, t[:, None]).squeeze(1) - torch.logsumexp(rows.float(), -1)
+                      for rows, t in zip(logits.split(chunk), targets.split(chunk))])
 
 
 def turn_logprobs(model, seqs, num_turns):
@@ -624,8 +628,7 @@ def shared_prefix_turn_logprobs(model, trajs, chunk=1024):
                        logits_to_keep=torch.tensor(need or [0], device=device)).logits[0]
         lg = torch.cat([first[None]] + ([logits] if need else [])) if pos[0] == p else logits
         tg = torch.tensor([x[a] for a in pos], device=device)
-        logp = torch.cat([rows.float().gather(1, t[:, None]).squeeze(1) - torch.logsumexp(rows.float(), -1)
-                          for rows, t in zip(lg.split(chunk), tg.split(chunk))])
+        logp = token_logprobs(lg, tg, chunk)
         turn = torch.tensor([o[a] for a in pos], device=device)
         results.append((torch.zeros(n, device=device).index_add(0, turn, logp),
                         torch.zeros(n, device=device).index_add(0, turn, torch.ones_like(logp))))
@@ -666,9 +669,7 @@ def shared_prompt_logprobs(model, prompt_ids, conts, chunk=1024):
     sums = []
     for i, c in enumerate(conts):
         lg, tg = logits[i, :len(c)], ids[i, :len(c)]
-        lp = torch.cat([rows.float().gather(1, tgt[:, None]).squeeze(1) - torch.logsumexp(rows.float(), -1)
-                        for rows, tgt in zip(lg.split(chunk), tg.split(chunk))])
-        sums.append(lp.sum())
+        sums.append(token_logprobs(lg, tg, chunk).sum())
     return torch.stack(sums), torch.tensor([float(len(c)) for c in conts], device=device)
 
 

@@ -48,8 +48,8 @@ for policy in a.policies.split(","):
         for full, prompt in chosen:
             ids = tok(prompt, add_special_tokens=False)["input_ids"]
             x = torch.tensor([ids + marker], device=model.device)
-            logp = torch.log_softmax(model(x).logits[0, len(ids) - 1:-1].float(), -1)
-            probs[full].append(logp.gather(1, torch.tensor(marker, device=model.device)[:, None]).sum().exp().item())
+            logits = model(x).logits[0, len(ids) - 1:-1]  # the positions that predict the marker's tokens
+            probs[full].append(common.token_logprobs(logits, x[0, len(ids):]).sum().exp().item())
     pf, pp = (sum(v) / max(len(v), 1) for v in (probs[True], probs[False]))
     print(json.dumps({"policy": policy, "p_answer_full": round(pf, 3), "p_answer_partial": round(pp, 3),
                       "log_odds_gap": round(logit(pf) - logit(pp), 3) if 0 < pp and pf < 1 else None,

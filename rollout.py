@@ -127,7 +127,7 @@ def guess_answer(task, known, rng):
     facts = [line.strip() for line in task["hidden_information"].splitlines() if line.strip()]
     heard = {c for f in facts if f in known for c in CONSTANT.findall(f)}
     code = task["ground_truth"].strip()
-    for c in sorted({c for f in facts if f not in known for c in CONSTANT.findall(f)} - heard, key=len, reverse=True):
+    for c in sorted({c for f in facts if f not in known for c in CONSTANT.findall(f)} - heard, key=lambda c: (-len(c), c)):
         if c.startswith("'"):  # a string: replace it inside the code's string literals
             s = c[1:-1]
             g = rng.choice([w for w in (["yes", "no", "Hello", "high", "low"] if s.strip(" .!?:)<3").isalpha() or not s

@@ -131,3 +131,20 @@ def test_compare_reports_bootstrap_and_paired_intervals(tmp_path):
     assert d["diff"] == 0.5 and 0.3 < d["ci95"][0] < 0.5 < d["ci95"][1] < 0.7
     lo, hi = evaluate.bootstrap_ci([0.0] * 10 + [1.0] * 10, 4000)  # +-1.96 * sqrt(.25 / 20) = +-0.22
     assert lo == pytest.approx(0.28, abs=0.05) and hi == pytest.approx(0.72, abs=0.05)
+
+
+def test_guessed_answers_do_not_depend_on_the_string_hash_seed():
+    """guess_answer replaces constants in a fixed order: the warm-up data is the same in every process
+    (set order follows PYTHONHASHSEED, which differs per process)."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    code = ("import random, generate_tasks, rollout\n"
+            "fam = sorted(generate_tasks.FAMILIES)\n"
+            "for f in fam:\n"
+            "    for s in range(6):\n"
+            "        t = generate_tasks.procedural_task(random.Random(s), f)\n"
+            "        print(rollout.guess_answer(t, set(), random.Random(s)))\n")
+    outs = {subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                           env={**__import__("os").environ, "PYTHONHASHSEED": str(h)}).stdout for h in range(4)}
+    assert len(outs) == 1 and "def " in outs.pop()

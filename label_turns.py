@@ -22,7 +22,8 @@ on its KV cache (common.shared_prompt_logprobs); it equals naive one-by-one scor
 
 Turn-credit accuracy (procedural code tasks): every candidate's true class (colbench.turn_class) is
 stored in the states file, and each critic (--critic and --credit_critics) is scored on every two
-candidates of a state whose classes differ; printed and written to PAIRS.credit.json.
+candidates of a state whose classes differ; printed and written to PAIRS.credit.json, with how
+many DPO pairs the true classes call right, wrong, or cannot judge (both turns of one class).
 
 Deviations from the paper / released code:
 1. pi_ref sees the same input as the critic (c + o_t), as in the critic's own objective (the released
@@ -183,10 +184,44 @@ def main(args):
     print(f"wrote {out_path}")
 
 
+class Scorer:
+    """Scores candidate turns of a state: every critic's advantage (each with pi_ref on the same input)
+    and, on procedural code tasks, every candidate's true class."""
+
+    def __init__(self, tok, critics, critic_settings, ref, max_len, max_turns):
+        self.tok, self.critics, self.settings, self.ref = tok, critics, critic_settings, ref
+        self.max_len, self.max_turns = max_len, max_turns
+        self.gt_results = {}  # task_id -> the ground truth's results, to grade candidate answers
+
+    @torch.no_grad()
+    def advantages(self, task, prompt, candidates):
+        """{critic name: [advantage of each candidate]}, train_critic's A(o_t, a_t, c)."""
+        out, ref_scores = {}, {}
+        for name, critic in self.critics.items():
+            s = self.settings[name]
+            prefix = training_info(task, s.get("no_training_info", False))  # c reaches the critic and pi_ref
+            prompt_ids, cand_ids = common.encode_shared(self.tok, prefix, prompt, candidates, self.max_len)
+            logp_sum, count = common.shared_prompt_logprobs(critic, prompt_ids, cand_ids)
+            if prefix not in ref_scores:  # pi_ref once per distinct input
+                ref_scores[prefix] = common.shared_prompt_logprobs(self.ref, prompt_ids, cand_ids)[0]
+            out[name] = turn_advantage(logp_sum, ref_scores[prefix], count, s["beta"]).tolist()
+        return out
+
+    def classes(self, traj, turn, candidates):
+        """Every candidate's true class (colbench.turn_class), or None where the task has no scripted facts."""
+        task = traj["task"]
+        if "family" not in task or "test_cases" not in task:
+            return None
+        if task["task_id"] not in self.gt_results:
+            self.gt_results[task["task_id"]] = sandbox.run_calls(task["ground_truth"], list(task["test_cases"].items()))
+        grade = lambda code: sandbox.grade_code(task, code, gt_results=self.gt_results[task["task_id"]])["success"]
+        before = state_dialogue(traj, turn)
+        return [colbench.turn_class(task, before, c, turn >= self.max_turns - 1, grade) for c in candidates]
+
+
 def label(args, todo, critic_dirs, critic_settings, ref_name, policy_name, rng, pairs_out, state_log):
     """Sample, score and pair the candidates of every state in todo; one states.jsonl row per state."""
     device = common.local_device()  # cuda:LOCAL_RANK under torchrun
-    tok = common.load_tokenizer(ref_name)
     sampler = None
     if args.agent_backend == "vllm":  # vLLM first, with its share of the GPU; the critics and pi_ref fit after it
         sampler = common.make_sampler("vllm", policy_name, args.temperature, args.top_p, args.max_new_tokens, args.seed,
@@ -196,7 +231,7 @@ def label(args, todo, critic_dirs, critic_settings, ref_name, policy_name, rng, 
     sampler = sampler or common.make_sampler(args.agent_backend, policy_name, args.temperature, args.top_p,
                                              args.max_new_tokens, args.seed, args.agent_url, args.batch_size,
                                              loaded=ref if policy_name == ref_name else None)
-    gt_results = {}  # task_id -> the ground truth's results, to grade candidate answers (procedural tasks)
+    scorer = Scorer(common.load_tokenizer(ref_name), critics, critic_settings, ref, args.max_len, args.max_turns)
 
     bar = common.tqdm_if(None, True, "states", total=len(todo))
     for first in range(0, len(todo), args.state_batch):  # candidates of state_batch states in one sampling batch
@@ -204,42 +239,42 @@ def label(args, todo, critic_dirs, critic_settings, ref_name, policy_name, rng, 
         keys = [f"{traj['task_id']}/{traj.get('sample', 0)}/{turn}/{k}" for traj, turn, _ in chunk
                 for k in range(args.num_candidates)]
         sampled = sampler.generate([prompt for _, _, prompt in chunk for _ in range(args.num_candidates)], keys)
-        for j, (traj, turn, prompt) in enumerate(chunk):  # the policy never sees c
-            label_state(args, traj, turn, prompt, sampled[j * args.num_candidates:(j + 1) * args.num_candidates], tok,
-                        critics, critic_settings, ref, rng, gt_results, pairs_out, state_log)
+        for j, state in enumerate(chunk):  # the policy never sees c
+            candidates = sampled[j * args.num_candidates:(j + 1) * args.num_candidates]
+            label_state(state, candidates, scorer, args.pairs_per_state, rng, pairs_out, state_log)
             bar.update(1)
     bar.close()
 
 
-def label_state(args, traj, turn, prompt, candidates, tok, critics, critic_settings, ref, rng, gt_results, pairs_out,
-                state_log):
+def label_state(state, candidates, scorer, pairs_per_state, rng, pairs_out, state_log):
     """Score one state's candidates with every critic, write its pairs and its states.jsonl row."""
-    advantages, ref_scores = {}, {}
-    for name, critic in critics.items():
-        s = critic_settings[name]
-        prefix = training_info(traj["task"], s.get("no_training_info", False))  # c reaches the critic and pi_ref
-        prompt_ids, cand_ids = common.encode_shared(tok, prefix, prompt, candidates, args.max_len)
-        with torch.no_grad():
-            logp_sum, count = common.shared_prompt_logprobs(critic, prompt_ids, cand_ids)
-            if prefix not in ref_scores:  # pi_ref once per distinct input
-                ref_scores[prefix] = common.shared_prompt_logprobs(ref, prompt_ids, cand_ids)[0]
-        ref_sum = ref_scores[prefix]
-        advantages[name] = turn_advantage(logp_sum, ref_sum, count, s["beta"]).tolist()  # train_critic's A(o_t, a_t, c)
+    traj, turn, prompt = state
+    advantages = scorer.advantages(traj["task"], prompt, candidates)
     advantage = advantages["sweet"]
     base = {"task_id": traj["task_id"], "sample": traj.get("sample", 0), "turn": turn}
-    for a, b in make_pairs(candidates, advantage, args.pairs_per_state, rng):
+    for a, b in make_pairs(candidates, advantage, pairs_per_state, rng):
         pairs_out.write({"prompt": prompt, "chosen": candidates[a], "rejected": candidates[b],
                          "chosen_advantage": advantage[a], "rejected_advantage": advantage[b], **base})
     row = {**base, "candidates": candidates, "advantages": advantage}
-    task = traj["task"]
-    if "family" in task and "test_cases" in task:  # procedural code task: every candidate's true class
-        if task["task_id"] not in gt_results:
-            gt_results[task["task_id"]] = sandbox.run_calls(task["ground_truth"], list(task["test_cases"].items()))
-        grade = lambda code: sandbox.grade_code(task, code, gt_results=gt_results[task["task_id"]])["success"]
-        before = state_dialogue(traj, turn)
-        row["classes"] = [colbench.turn_class(task, before, c, turn >= args.max_turns - 1, grade) for c in candidates]
+    classes = scorer.classes(traj, turn, candidates)
+    if classes is not None:  # procedural code task: every candidate's true class
+        row["classes"] = classes
         row["advantages_by_critic"] = advantages
     state_log.write(row)
+
+
+def dpo_pair_classes(states, pairs):
+    """How the DPO pairs stand against the true classes: right (a good turn chosen over a bad one),
+    wrong (bad over good), same_class (the pair says nothing the true classes could check)."""
+    classes = {(s["task_id"], s["sample"], s["turn"]): dict(zip(s["candidates"], s["classes"]))
+               for s in states if s.get("classes")}
+    counts = {"right": 0, "wrong": 0, "same_class": 0}
+    for p in pairs:
+        c = classes.get((p["task_id"], p["sample"], p["turn"]))
+        if c is not None:
+            chosen, rejected = c[p["chosen"]], c[p["rejected"]]
+            counts["same_class" if chosen == rejected else "right" if chosen == "good" else "wrong"] += 1
+    return counts
 
 
 def report_credit(args, out_path, critic_dirs):
@@ -254,9 +289,13 @@ def report_credit(args, out_path, critic_dirs):
     for name in [*critic_dirs, "untrained"]:
         report["credit_accuracy"][name], report["class_pairs"][name] = credit_accuracy(states, name)
     if report["states_with_classes"]:
+        pairs = [r for _, r in common.read_jsonl(out_path)] if Path(out_path).exists() else []
+        report["dpo_pairs"] = dpo_pair_classes(states, pairs)
         common.write_text(f"{out_path}.credit.json", json.dumps(report, indent=2))
         print("turn-credit accuracy (pairs of candidates with different true classes): " +
               ", ".join(f"{k} {v:.3f}" if v is not None else f"{k} -" for k, v in report["credit_accuracy"].items()),
+              file=sys.stderr)
+        print("DPO pairs against the true classes: " + ", ".join(f"{k} {v}" for k, v in report["dpo_pairs"].items()),
               file=sys.stderr)
     return report
 

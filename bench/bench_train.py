@@ -8,7 +8,6 @@ steps, from each run's log.jsonl) and the peak resident memory of each run.
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,7 @@ p = argparse.ArgumentParser(description=__doc__)
 p.add_argument("--trajectories", required=True)
 p.add_argument("--model", default="embedded")
 p.add_argument("--num_tasks", type=int, default=8)
+p.add_argument("--train_layers", type=int, default=0, help="train only the top N layers (run.sh's embedded default: 10)")
 a = p.parse_args()
 rows = [json.loads(l) for l in open(a.trajectories)]
 keep = list(dict.fromkeys(r["task_id"] for r in rows))[: a.num_tasks]
@@ -29,11 +29,15 @@ with tempfile.TemporaryDirectory() as d:
                           ("train_critic.py", ["--epochs", "1", "--heldout_fraction", "0", "--no_shared_prefix"]),
                           ("train_dpo.py", ["--mode", "trajectory"])):
         out = os.path.join(d, script + "".join(extra))
-        before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-        subprocess.run([sys.executable, script, "--trajectories", sub, "--model", a.model, "--output_dir", out,
-                        "--lr", "1e-6", "--batch_size", "4", *extra], cwd=ROOT, check=True, capture_output=True)
-        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        proc = subprocess.Popen([sys.executable, script, "--trajectories", sub, "--model", a.model, "--output_dir", out,
+                                 "--lr", "1e-6", "--batch_size", "4", "--train_layers", str(a.train_layers), *extra],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        err = proc.stderr.read()
+        _, status, usage = os.wait4(proc.pid, 0)  # this run's own peak memory (getrusage would keep the largest so far)
+        if status:
+            sys.exit(f"{script} {' '.join(extra)} failed:\n{err.decode()[-3000:]}")
+        peak = usage.ru_maxrss
         log = [json.loads(l) for l in open(os.path.join(out, "log.jsonl"))]
         tps = sorted(x["tokens_per_s"] for x in log)
         print(f"{script} {' '.join(extra)}: {len(log)} steps, median {tps[len(tps) // 2]:.0f} tokens/s (forward+backward+AdamW), "
-              f"peak RSS {max(peak, before) / 1024:.0f} MiB")
+              f"peak RSS {peak / 1024:.0f} MiB")

@@ -97,6 +97,18 @@ def test_credit_accuracy_counts_ties_half():
     assert label_turns.credit_accuracy(states, "missing") == (None, 0)
 
 
+def test_dpo_pair_classes_judge_each_pair_by_its_state():
+    key = {"task_id": "t", "sample": 0}
+    states = [{**key, "turn": 0, "candidates": ["ask x", "answer", "ask y"], "classes": ["good", "bad", "bad"]},
+              {**key, "turn": 1, "candidates": ["ask x", "answer"], "classes": ["bad", "good"]},  # same text, other class
+              {**key, "turn": 2, "candidates": ["a", "b"]}]  # no classes: its pairs are not counted
+    pairs = [{**key, "turn": 0, "chosen": "ask x", "rejected": "answer"},  # right
+             {**key, "turn": 0, "chosen": "answer", "rejected": "ask y"},  # both bad
+             {**key, "turn": 1, "chosen": "ask x", "rejected": "answer"},  # wrong at turn 1
+             {**key, "turn": 2, "chosen": "a", "rejected": "b"}]
+    assert label_turns.dpo_pair_classes(states, pairs) == {"right": 1, "wrong": 1, "same_class": 1}
+
+
 def test_trajectory_pairs_rules():
     row = lambda t, s, r: {"task_id": t, "sample": s, "reward": r, "success": r == 1.0}
     rows = [row("a", 0, 1.0), row("a", 1, 0.5), row("a", 2, 1.0), row("a", 3, 0.0),  # best succeeds: pairs with lower ones

@@ -33,6 +33,9 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
     # the three critics (SWEET, trajectory mean, no training info) and the untrained reference were scored
     assert set(res["credit_accuracy"]) == {"sweet", "trajectory_mean", "no_training_info", "untrained"}
     assert res["credit_accuracy"]["untrained"] in (None, 0.5)
+    credit = json.loads((tmp_path / "run" / "pairs.jsonl.credit.json").read_text())  # every DPO pair judged once
+    n_pairs = len((tmp_path / "run" / "pairs.jsonl").read_text().splitlines())
+    assert set(credit["dpo_pairs"]) == {"right", "wrong", "same_class"} and sum(credit["dpo_pairs"].values()) == n_pairs
     assert "run directory" in p.stdout and "N_TEST=2" in p.stdout  # the settings in use are printed
     train = json.loads((tmp_path / "run" / "train_summary.json").read_text())
     assert train["num_trajectories"] == 6 and train["success_rate"] >= 0.5  # the oracle's half succeeds

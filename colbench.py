@@ -229,11 +229,16 @@ def scripted_reply(hidden, question, max_lines=2):
     return ("\n" if is_code else " ").join(line for _, _, line in best)
 
 
+def hidden_facts(task):
+    """The task's hidden facts: its non-empty hidden-information lines, stripped. Procedural tasks state
+    each fact on one line, and the scripted human quotes lines."""
+    return [line.strip() for line in task["hidden_information"].splitlines() if line.strip()]
+
+
 def revealed_facts(task, dialogue):
-    """Hidden-information lines the human has already said in `dialogue` (its user messages after
-    the request). Procedural tasks state each fact on one line, and the scripted human quotes lines."""
+    """Hidden facts the human has already said in `dialogue` (its user messages after the request)."""
     said = " ".join(m["content"] for m in dialogue[1:] if m["role"] == "user")
-    return {line.strip() for line in task["hidden_information"].splitlines() if line.strip() and line.strip() in said}
+    return {f for f in hidden_facts(task) if f in said}
 
 
 def turn_class(task, dialogue, turn, last_turn=False, grade=None):
@@ -247,7 +252,7 @@ def turn_class(task, dialogue, turn, last_turn=False, grade=None):
         return "good" if ok else "bad"
     known = revealed_facts(task, dialogue)
     reply = scripted_reply(task["hidden_information"], turn)
-    new = {l.strip() for l in task["hidden_information"].splitlines() if l.strip() and l.strip() in reply} - known
+    new = {f for f in hidden_facts(task) if f in reply} - known
     return "good" if new else "bad"
 
 

@@ -124,7 +124,7 @@ CONSTANT = re.compile(r"'[^']*'|\b\d+\b")
 def guess_answer(task, known, rng):
     """The ground truth with every constant the agent has not heard replaced by a guess: what an agent
     that answers before asking writes. Constants are the numbers and quoted strings of the facts."""
-    facts = [line.strip() for line in task["hidden_information"].splitlines() if line.strip()]
+    facts = colbench.hidden_facts(task)
     heard = {c for f in facts if f in known for c in CONSTANT.findall(f)}
     code = task["ground_truth"].strip()
     for c in sorted({c for f in facts if f not in known for c in CONSTANT.findall(f)} - heard, key=lambda c: (-len(c), c)):
@@ -163,7 +163,7 @@ class OracleAgent:
             if ep["task_type"] == "html":
                 outs.append(f"{colbench.ANSWER_MARKER}\n{task['ground_truth'].strip()}")
                 continue
-            facts = [line.strip() for line in task["hidden_information"].splitlines() if line.strip()]
+            facts = colbench.hidden_facts(task)
             known = colbench.revealed_facts(task, ep["dialogue"])
             turn = sum(m["role"] == "assistant" for m in ep["dialogue"])  # questions asked so far
             plan = self.rng(ep)

@@ -31,11 +31,10 @@ a = p.parse_args()
 
 states = []
 for t in colbench.load_graded(a.trajectories):
-    facts = [line.strip() for line in t["task"]["hidden_information"].splitlines() if line.strip()]
-    d = t["dialogue_history"]
+    d, n_facts = t["dialogue_history"], len(colbench.hidden_facts(t["task"]))
     for j, m in enumerate(d):
         if m["role"] == "assistant" and "input" in m:
-            states.append((len(colbench.revealed_facts(t["task"], d[:j])) == len(facts), m["input"]))
+            states.append((len(colbench.revealed_facts(t["task"], d[:j])) == n_facts, m["input"]))
 random.Random(a.seed).shuffle(states)
 chosen = [s for s in states if s[0]][: a.num_states // 2] + [s for s in states if not s[0]][: a.num_states // 2]
 logit = lambda q: math.log(q / (1 - q))

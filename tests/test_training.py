@@ -207,16 +207,22 @@ def test_critic_pair_shared_prefix_equals_two_passes(tok_model, first_turns):
     model.zero_grad()
 
 
-def test_pairs_come_from_opposite_halves():
+def test_pairs_come_from_opposite_halves_largest_gaps_first():
     rng = random.Random(0)
     cands = [f"c{i}" for i in range(16)]
     adv = [rng.random() for _ in cands]
     order = sorted(range(16), key=lambda i: -adv[i])
     pairs = label_turns.make_pairs(cands, adv, 50, rng)
     assert len(pairs) == 50 and len(set(pairs)) == 50  # distinct pairs
-    assert len(label_turns.make_pairs(cands, adv, 100, rng)) == 64  # at most every better x worse pair
+    every = label_turns.make_pairs(cands, adv, 100, rng)
+    assert len(every) == 64  # at most every better x worse pair
     for a, b in pairs:
         assert a in order[:8] and b in order[8:] and adv[a] > adv[b]
+    gaps = [adv[a] - adv[b] for a, b in every]
+    assert gaps == sorted(gaps, reverse=True)  # the critic's surest preferences first
+    assert label_turns.make_pairs(cands, adv, 1, rng) == [(order[0], order[-1])]
+    left_out = min(adv[a] - adv[b] for a, b in pairs)
+    assert all(adv[a] - adv[b] <= left_out for a, b in every if (a, b) not in pairs)
     assert label_turns.make_pairs(["same"] * 4, [1, 2, 3, 4], 4, rng) == []  # identical candidates never pair
 
 

@@ -215,7 +215,7 @@ def run(main, cls, doc):
 # ----------------------------------------------------------------------------------------------
 class ChatClient:
     """POST /v1/chat/completions with a per-request timeout, retries with exponential backoff on
-    connection errors, timeouts and 5xx until `retry_time` seconds have passed, and a thread pool
+    connection errors, replies cut off mid-body, timeouts and 5xx until `retry_time` seconds have passed, and a thread pool
     for many dialogues at once. Once a request has failed for good, later ones get 5 s each until
     one succeeds, so a dead server ends the remaining dialogues quickly instead of 300 s each."""
 
@@ -246,8 +246,8 @@ class ChatClient:
                     self.down = False
                     return r.json()
                 last = f"HTTP {r.status_code}: {r.text[:200]}"
-            except (requests.ConnectionError, requests.Timeout) as e:
-                last = f"{type(e).__name__}: {e}"
+            except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as e:
+                last = f"{type(e).__name__}: {e}"  # ChunkedEncodingError: a reply cut off mid-body (server killed)
             wait = min(self.backoff * 2 ** attempt, 30.0)
             if time.monotonic() + wait > give_up:
                 break

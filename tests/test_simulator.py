@@ -67,6 +67,31 @@ def test_client_retries_5xx_then_succeeds():
     server.shutdown()
 
 
+def test_client_retries_a_reply_cut_off_mid_body():
+    """A server killed while writing a reply leaves a short body (IncompleteRead): retried, not an error."""
+    calls = []
+
+    class CutOff(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            calls.append(1)
+            body = json.dumps({"choices": [{"message": {"role": "assistant", "content": "fine"}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body if len(calls) > 1 else body[:5])  # the first reply stops after 5 bytes
+            self.close_connection = True
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), CutOff)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = common.ChatClient(f"http://127.0.0.1:{server.server_address[1]}", model="m", backoff=0.01)
+    assert client.chat([{"role": "user", "content": "x"}]) == "fine" and len(calls) == 2
+    server.shutdown()
+
+
 def test_unreachable_server_is_a_clear_error():
     with pytest.raises(ConnectionError, match=r"failed \d+ times in 0.05 s.*simulator.py"):
         common.ChatClient("http://127.0.0.1:9", model="m", retry_time=0.05, backoff=0.02).chat([{"role": "user", "content": "x"}])

@@ -205,9 +205,20 @@ def run(main, cls, doc):
     (file:line: what is wrong) instead of a traceback."""
     args = parse_args(cls, doc)
     try:
-        return main(args)
+        result = main(args)
     except (DataError, ServerError) as e:
         sys.exit(f"error: {e}")
+    close_distributed()
+    return result
+
+
+def close_distributed():
+    """Under torchrun, leave the process group once every rank is done: a rank that exits with gloo's
+    threads still running can abort at shutdown ('terminate called without an active exception')."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,8 +226,8 @@ def run(main, cls, doc):
 # ----------------------------------------------------------------------------------------------
 class ChatClient:
     """POST /v1/chat/completions with a per-request timeout, retries with exponential backoff on
-    connection errors, replies cut off mid-body, timeouts and 5xx until `retry_time` seconds have passed, and a thread pool
-    for many dialogues at once. Once a request has failed for good, later ones get 5 s each until
+    connection errors, replies cut off mid-body, timeouts and 5xx until `retry_time` seconds have
+    passed, and a thread pool for many dialogues at once. Once a request has failed for good, later ones get 5 s each until
     one succeeds, so a dead server ends the remaining dialogues quickly instead of 300 s each."""
 
     def __init__(self, base_url, model=None, timeout=120.0, retry_time=300.0, backoff=1.0, workers=16):

@@ -15,7 +15,8 @@ The update (PAPER.md §3), with logp = log pi(a|o) summed over the turn's tokens
     L = -log sigmoid(beta * [logp(a+) - logp_ref(a+)] - beta * [logp(a-) - logp_ref(a-)]) + nll_coef * NLL(a+)
 NLL(a+) is the mean per-token negative log-likelihood of the chosen turn. The actor never sees the
 training-time information c. Reference log-probs come from one pass of the initial model before
-training (pi_ref = the starting policy).
+training (pi_ref = the starting policy); the pairs of one state share its prompt, which runs once for
+all of their distinct turns (reference_logps_of_state).
 
 Logged metrics (TRL's names): rewards/chosen = beta*(logp(a+)-logp_ref(a+)); rewards/rejected likewise;
 rewards/margins = chosen - rejected; rewards/accuracies = share of pairs with a positive margin;
@@ -90,6 +91,25 @@ def dpo_loss(logp_c, logp_r, ref_c, ref_r, beta):
     return -F.logsigmoid(rewards_c - rewards_r), rewards_c.detach(), rewards_r.detach()  # L_DPO
 
 
+def state_groups(examples):
+    """Examples in groups that share one tokenised prompt (the pairs of one labelled state), in order
+    of first appearance; an example without a shared prompt is a group of its own."""
+    groups = {}
+    for i, ex in enumerate(examples):
+        groups.setdefault(tuple(ex["shared"][0]) if "shared" in ex else i, []).append(ex)
+    return list(groups.values())
+
+
+def reference_logps_of_state(model, group):
+    """pi_ref's summed log-probs [(chosen, rejected)] of pairs that share a prompt: the prompt runs once
+    and every distinct turn of the group once, as one batch on its KV cache (a state's k pairs hold at
+    most 2k distinct turns). Equal to scoring each pair alone (tests check 1e-4)."""
+    turns = list(dict.fromkeys(tuple(t) for ex in group for t in ex["shared"][1]))
+    sums, _ = common.shared_prompt_logprobs(model, group[0]["shared"][0], [list(t) for t in turns])
+    logp = dict(zip(turns, sums.tolist()))
+    return [[logp[tuple(t)] for t in ex["shared"][1]] for ex in group]
+
+
 def build_examples(args):
     """Each example: {'chosen': turns, 'rejected': turns} (DPO) or {'chosen': turns} (sft)."""
     if args.mode == "turn":
@@ -160,10 +180,14 @@ def main(args):
         return logp_c, logp_r, n_c, sum(len(s[0]) for s in ex["chosen_seqs"] + ex["rejected_seqs"])
 
     if args.mode != "sft":  # pi_ref log-probs once, with the starting weights
-        def ref_fn(m, ex):
-            return [x.item() for x in pair_logps(m, ex)[:2]]
-        for ex, (c, r) in zip(examples, common.precompute(model, examples, ref_fn, rank, world)):
-            ex["ref_chosen"], ex["ref_rejected"] = c, r
+        def ref_fn(m, group):  # [(logp chosen, logp rejected)] of a group of examples
+            if "shared" not in group[0]:
+                return [[x.item() for x in pair_logps(m, group[0])[:2]]]
+            return reference_logps_of_state(m, group)
+        groups = state_groups(examples)
+        for group, results in zip(groups, common.precompute(model, groups, ref_fn, rank, world)):
+            for ex, (c, r) in zip(group, results):
+                ex["ref_chosen"], ex["ref_rejected"] = c, r
 
     def sft_loss(m, ex):
         """Rejection fine-tuning / warm-up: mean per-token NLL of the turns."""

@@ -145,6 +145,25 @@ def test_prefix_reuse_scoring_equals_naive(tok_model):
             assert f.item() == pytest.approx(s.item(), abs=1e-4) and k.item() == n.item()
 
 
+def test_dpo_reference_logprobs_of_a_state_equal_each_pair_alone(tok_model):
+    """train_dpo groups the pairs of one state (same prompt) and scores each distinct turn once; every
+    pair's (chosen, rejected) reference log-probs equal scoring that pair alone."""
+    tok, model = tok_model
+    prompts = [common.render_prompt(tok, colbench.agent_messages(TASK, [{"role": "user", "content": d}]))
+               for d in (TASK["problem_description"], "Write g instead.")]
+    turns = ["What is the factor?", "I WANT TO ANSWER: def f(x): return x * 2", "?", "Tell me more"]
+    pairs = [(0, 0, 1), (1, 2, 3), (0, 0, 2), (0, 3, 1), (1, 0, 3), (0, 2, 1)]  # (prompt, chosen, rejected)
+    examples = [{"shared": common.encode_shared(tok, "", prompts[p], [turns[c], turns[r]], 4096)} for p, c, r in pairs]
+    groups = train_dpo.state_groups(examples)
+    assert [len(g) for g in groups] == [4, 2] and groups[0][1] is examples[2]  # by prompt, in order
+    with torch.no_grad():
+        grouped = [x for g in groups for x in train_dpo.reference_logps_of_state(model, g)]
+        for ex, got in zip(groups[0] + groups[1], grouped):
+            alone, _ = common.shared_prompt_logprobs(model, *ex["shared"])
+            assert got == pytest.approx(alone.tolist(), abs=1e-4)
+    assert len({tuple(x) for x in grouped}) == 6  # six different pairs, six different answers
+
+
 def test_shared_prompt_dpo_gradients_equal_two_passes(tok_model):
     """The DPO loss of a pair, with the prompt run once (KV cache, gradients through it) and with
     prompt + turn run twice: loss and every parameter's gradient agree within 1e-4."""

@@ -227,8 +227,9 @@ def close_distributed():
 class ChatClient:
     """POST /v1/chat/completions with a per-request timeout, retries with exponential backoff on
     connection errors, replies cut off mid-body, timeouts and 5xx until `retry_time` seconds have
-    passed, and a thread pool for many dialogues at once. Once a request has failed for good, later ones get 5 s each until
-    one succeeds, so a dead server ends the remaining dialogues quickly instead of 300 s each."""
+    passed, and a thread pool for many dialogues at once. Once a request has failed for good, later
+    ones get 5 s each until one succeeds, so a dead server ends the remaining dialogues quickly
+    instead of 300 s each."""
 
     def __init__(self, base_url, model=None, timeout=120.0, retry_time=300.0, backoff=1.0, workers=16):
         import requests

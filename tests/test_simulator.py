@@ -41,28 +41,36 @@ def test_bad_requests_get_400_and_unknown_routes_404(simulator_url):
     assert requests.get(simulator_url + "/v1/nothing").status_code == 404
 
 
+FINE = json.dumps({"choices": [{"message": {"role": "assistant", "content": "fine"}}]}).encode()
+
+
+def fake_server(do_post):
+    """A real local HTTP server whose POST handler is do_post(handler), and a ChatClient for it."""
+    handler = type("Handler", (BaseHTTPRequestHandler,), {"log_message": lambda self, *a: None, "do_POST": do_post})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return common.ChatClient(f"http://127.0.0.1:{server.server_address[1]}", model="m", backoff=0.01), server
+
+
+def send_fine(handler, body=FINE):
+    handler.send_response(200)
+    handler.send_header("Content-Length", str(len(FINE)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 def test_client_retries_5xx_then_succeeds():
     calls = []
 
-    class Flaky(BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
-
-        def do_POST(self):
-            calls.append(1)
-            if len(calls) < 3:
-                self.send_response(503)
-                self.end_headers()
-                return
-            body = json.dumps({"choices": [{"message": {"role": "assistant", "content": "fine"}}]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
+    def do_post(self):
+        calls.append(1)
+        if len(calls) < 3:
+            self.send_response(503)
             self.end_headers()
-            self.wfile.write(body)
+            return
+        send_fine(self)
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Flaky)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    client = common.ChatClient(f"http://127.0.0.1:{server.server_address[1]}", model="m", backoff=0.01)
+    client, server = fake_server(do_post)
     assert client.chat([{"role": "user", "content": "hi"}]) == "fine" and len(calls) == 3
     server.shutdown()
 
@@ -71,23 +79,13 @@ def test_client_retries_a_reply_cut_off_mid_body():
     """A server killed while writing a reply leaves a short body (IncompleteRead): retried, not an error."""
     calls = []
 
-    class CutOff(BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
+    def do_post(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        calls.append(1)
+        send_fine(self, FINE if len(calls) > 1 else FINE[:5])  # the first reply stops after 5 bytes
+        self.close_connection = True
 
-        def do_POST(self):
-            self.rfile.read(int(self.headers["Content-Length"]))
-            calls.append(1)
-            body = json.dumps({"choices": [{"message": {"role": "assistant", "content": "fine"}}]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body if len(calls) > 1 else body[:5])  # the first reply stops after 5 bytes
-            self.close_connection = True
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), CutOff)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    client = common.ChatClient(f"http://127.0.0.1:{server.server_address[1]}", model="m", backoff=0.01)
+    client, server = fake_server(do_post)
     assert client.chat([{"role": "user", "content": "x"}]) == "fine" and len(calls) == 2
     server.shutdown()
 

@@ -426,24 +426,74 @@ class HFSampler:
             AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=dtype).to(self.device).eval()
         self.reuse, self.cache = reuse_cache, {}  # dialogue -> (token ids, [(keys, values)] per layer)
         self.prompt_tokens = {"reused": 0, "run": 0}  # prompt tokens taken from a cache / run through the model
+        self.rows_decoded = 0  # rows summed over decoding steps (a finished row stops counting)
+        self.end_tokens = {self.tok.eos_token_id, self.tok.pad_token_id}  # a row that picks one has ended its turn
 
     def generate(self, prompts, keys=None):
         if self.reuse and keys:
             return self.generate_reusing(prompts, [k.rsplit("/", 1)[0] for k in keys])
-        batch = self.tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
-        new, _ = self._generate(batch["input_ids"], batch["attention_mask"])
+        unique = list(dict.fromkeys(prompts))  # N samples of one prompt share one prefill
+        batch = self.tok(unique, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+        expand = self.torch.tensor([unique.index(p) for p in prompts], device=self.device)
+        new, _ = self._generate(batch["input_ids"], batch["attention_mask"], expand=expand)
         return self.tok.batch_decode(new, skip_special_tokens=True)
 
-    def _generate(self, input_ids, attention_mask, cache=None):
-        """(new tokens [batch, new_tokens], the KV cache after them)"""
-        sample = self.temperature > 0
-        with self.torch.no_grad():
-            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
-                                      max_new_tokens=self.max_new_tokens, do_sample=sample,
-                                      temperature=self.temperature if sample else None, top_p=self.top_p if sample else None,
-                                      top_k=None, pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id,
-                                      return_dict_in_generate=True)
-        return out.sequences[:, input_ids.shape[1]:], out.past_key_values
+    def _generate(self, input_ids, attention_mask, cache=None, keep_cache=False, expand=None):
+        """Decode every row of a left-padded batch until it ends its turn (end-of-turn token) or has
+        max_new_tokens. A finished row leaves the batch (its KV cache too), so no step is spent on
+        rows that are done: on a CPU a step costs about its number of rows, and one long answer no
+        longer makes the short questions beside it wait. Sampling is temperature + nucleus (top_p),
+        as transformers' generate does it; temperature 0 is greedy (tests check it equals generate).
+        expand (row indices of the input, repeats allowed): after the prompts' pass, the batch becomes
+        these rows, so the N samples of one prompt share its prefill.
+        Returns (new token ids of each row, ending with its end-of-turn token if it ended; with
+        keep_cache, each row's KV cache [(keys, values) per layer] over its unpadded positions:
+        prompt and new tokens but the last, which has not run; else Nones)."""
+        torch, model, end = self.torch, self.model, self.end_tokens
+        mask = attention_mask
+        rows = list(range(input_ids.shape[0] if expand is None else len(expand)))  # the batch's rows
+        new, kv = [[] for _ in rows], [None] * len(rows)
+        ids = input_ids[:, cache.get_seq_length():] if cache is not None else input_ids  # a cache holds the first tokens
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+        with torch.no_grad():
+            for step in range(self.max_new_tokens):
+                out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                            use_cache=True, logits_to_keep=1)
+                cache, logits = out.past_key_values, out.logits[:, -1].float()
+                if step == 0 and expand is not None:
+                    cache.batch_select_indices(expand)
+                    logits, mask, pos = logits[expand], mask[expand], pos[expand]
+                self.rows_decoded += len(rows)
+                token = self._pick(logits)
+                for r, t in zip(rows, token.tolist()):
+                    new[r].append(t)
+                done = [i for i, t in enumerate(token.tolist()) if t in end or step == self.max_new_tokens - 1]
+                for i in done if keep_cache else []:  # the cache holds every token of the row but the one just picked
+                    keep = mask[i].nonzero().squeeze(1)
+                    kv[rows[i]] = [(layer.keys[i:i + 1, :, keep], layer.values[i:i + 1, :, keep]) for layer in cache.layers]
+                if len(done) == len(rows):
+                    break
+                if done:
+                    stay = torch.tensor([i for i in range(len(rows)) if i not in done], device=ids.device)
+                    cache.batch_select_indices(stay)
+                    rows = [rows[i] for i in stay.tolist()]
+                    mask, pos, token = mask[stay], pos[stay], token[stay]
+                mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
+                pos, ids = pos[:, -1:] + 1, token[:, None]
+        return new, kv
+
+    def _pick(self, logits):
+        """The next token of each row: greedy at temperature 0, else a sample of softmax(logits / T)
+        restricted to the smallest set of tokens whose probability reaches top_p."""
+        torch = self.torch
+        if self.temperature <= 0:
+            return logits.argmax(-1)
+        probs = torch.softmax(logits / self.temperature, dim=-1)
+        if self.top_p < 1.0:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            outside = sorted_p.cumsum(-1) - sorted_p >= self.top_p  # the nucleus is full before this token
+            probs = probs.scatter(-1, order, sorted_p.masked_fill(outside, 0.0))
+        return torch.multinomial(probs, 1).squeeze(1)
 
     def generate_reusing(self, prompts, dialogues):
         """One batch whose rows are [pad][cached tokens][pad][new prompt tokens]: the cached part comes
@@ -481,15 +531,8 @@ class HFSampler:
                     if n:
                         k[i, :, Lc - n:], v[i, :, Lc - n:] = (t[0, :, :n] for t in old[d][1][layer])
                 cache.update(k, v, layer)
-        new, out_cache = self._generate(input_ids.to(self.device), mask.to(self.device), cache)
-        self.cache = {}  # dialogues absent from this call have ended
-        kv = [(layer.keys, layer.values) for layer in out_cache.layers]
-        for i, (d, x) in enumerate(zip(dialogues, ids)):
-            gen = new[i].tolist()
-            m = next((j + 1 for j, t in enumerate(gen) if t in (self.tok.eos_token_id, self.tok.pad_token_id)), len(gen))
-            m = min(m, len(gen) - 1)  # the last generated token has no KV yet
-            keep = torch.cat([mask[i].nonzero().squeeze(1), torch.arange(Lc + Ls, Lc + Ls + m)]).to(self.device)
-            self.cache[d] = (x + gen[:m], [(k[i:i + 1, :, keep], v[i:i + 1, :, keep]) for k, v in kv])
+        new, kv = self._generate(input_ids.to(self.device), mask.to(self.device), cache, keep_cache=True)
+        self.cache = {d: (x + gen[:-1], layers) for d, x, gen, layers in zip(dialogues, ids, new, kv)}  # absent dialogues have ended
         return self.tok.batch_decode(new, skip_special_tokens=True)
 
 
@@ -657,31 +700,53 @@ def encode_shared(tokenizer, prefix, prompt, continuations, max_len):
     return enc(prefix) + enc(prompt)[-keep:], conts
 
 
+def length_groups(lengths, overhead=64):
+    """Indices of continuations in groups of similar length, to run one batch per group: the split of
+    the sorted lengths with the fewest padded tokens, counting `overhead` tokens for each batch (the
+    cost of one more forward call). One long candidate no longer pads seven short ones to its length."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    cost, cut = [0] + [float("inf")] * len(order), [0] * (len(order) + 1)
+    for j in range(1, len(order) + 1):  # cost[j]: the best split of the j shortest
+        for i in range(j):
+            c = cost[i] + (j - i) * lengths[order[j - 1]] + overhead
+            if c < cost[j]:
+                cost[j], cut[j] = c, i
+    groups, j = [], len(order)
+    while j:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
+
+
 def shared_prompt_logprobs(model, prompt_ids, conts, chunk=1024):
     """Summed log-prob and token count of each continuation of one prompt: the prompt runs once, then
-    all continuations as one right-padded batch on its KV cache; gradients flow through the cache
-    into the prompt's pass. Equal to scoring prompt + continuation one by one (tests check 1e-4,
-    gradients too). Returns two [N] tensors. Needs a KV cache (not with activation checkpointing)."""
+    the continuations as right-padded batches of similar length (length_groups) on its KV cache;
+    gradients flow through the cache into the prompt's pass. Equal to scoring prompt + continuation
+    one by one (tests check 1e-4, gradients too). Returns two [N] tensors. Needs a KV cache (not with
+    activation checkpointing)."""
     import torch
+    from transformers import DynamicCache
     device = next(model.parameters()).device
     out = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True, logits_to_keep=1)
     first = out.logits[0, -1]  # predicts every continuation's first token
-    n, L = len(conts), max(len(c) for c in conts)
-    cache = out.past_key_values
-    cache.batch_repeat_interleave(n)  # [1, ...] -> [N, ...]
-    ids = torch.zeros((n, L), dtype=torch.long, device=device)
-    mask = torch.zeros((n, len(prompt_ids) + L), dtype=torch.long, device=device)
-    mask[:, :len(prompt_ids)] = 1
-    for i, c in enumerate(conts):
-        ids[i, :len(c)] = torch.tensor(c, device=device)
-        mask[i, len(prompt_ids):len(prompt_ids) + len(c)] = 1
-    logits = model(input_ids=ids, past_key_values=cache, attention_mask=mask).logits  # [N, L, vocab]
-    # position j of the batch predicts continuation token j+1; the prompt's last position predicts token 0
-    logits = torch.cat([first.expand(n, 1, -1), logits[:, :-1]], dim=1)
-    sums = []
-    for i, c in enumerate(conts):
-        lg, tg = logits[i, :len(c)], ids[i, :len(c)]
-        sums.append(token_logprobs(lg, tg, chunk).sum())
+    prompt_kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+    sums = [None] * len(conts)
+    for group in length_groups([len(c) for c in conts]):
+        n, L = len(group), max(len(conts[i]) for i in group)
+        cache = DynamicCache()
+        for layer, (k, v) in enumerate(prompt_kv):  # [1, ...] -> [n, ...]
+            cache.update(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1), layer)
+        ids = torch.zeros((n, L), dtype=torch.long, device=device)
+        mask = torch.zeros((n, len(prompt_ids) + L), dtype=torch.long, device=device)
+        mask[:, :len(prompt_ids)] = 1
+        for row, i in enumerate(group):
+            ids[row, :len(conts[i])] = torch.tensor(conts[i], device=device)
+            mask[row, len(prompt_ids):len(prompt_ids) + len(conts[i])] = 1
+        logits = model(input_ids=ids, past_key_values=cache, attention_mask=mask).logits  # [n, L, vocab]
+        # position j of the batch predicts continuation token j+1; the prompt's last position predicts token 0
+        logits = torch.cat([first.expand(n, 1, -1), logits[:, :-1]], dim=1)
+        for row, i in enumerate(group):
+            sums[i] = token_logprobs(logits[row, :len(conts[i])], ids[row, :len(conts[i])], chunk).sum()
     return torch.stack(sums), torch.tensor([float(len(c)) for c in conts], device=device)
 
 

@@ -33,9 +33,9 @@ N_TRAIN=${N_TRAIN:-60}                # RL train tasks
 N_TEST=${N_TEST:-200}                 # test tasks
 SAMPLES=${SAMPLES:-4}                 # rollouts per train task
 ORACLE_SAMPLES=${ORACLE_SAMPLES:-0}  # extra complete-oracle dialogues per train task (off-policy successes)
-CANDIDATES=${CANDIDATES:-6}           # label_turns: candidates per state
+CANDIDATES=${CANDIDATES:-8}           # label_turns: candidates per state
 PAIRS_PER_STATE=${PAIRS_PER_STATE:-4}  # released: 4
-DATA_FRACTION=${DATA_FRACTION:-0.12}   # label_turns: share of train trajectories labelled (released: 0.1)
+DATA_FRACTION=${DATA_FRACTION:-0.2}    # label_turns: share of train trajectories labelled (released: 0.1; 0.2 = ~117 states, README)
 TEMPERATURE=${TEMPERATURE:-1.0}       # test rollouts: the policy samples its own distribution (README)
 TRAIN_TEMPERATURE=${TRAIN_TEMPERATURE:-1.0}  # train rollouts: more varied samples give the critic pairs
 TOP_P=${TOP_P:-1.0}                   # nucleus sampling of every rollout (1.0: the policy's own distribution)

@@ -180,3 +180,31 @@ def test_openai_agent_gets_one_seed_per_request(task_files, simulator_url, tmp_p
     assert len(set(seeds)) == len(seeds) // 2 and None not in seeds  # one seed per request, repeated by the rerun
     strip = lambda rs: sorted(json.dumps(r, sort_keys=True) for r in rs)
     assert strip(rows) == strip(read_jsonl(tmp_path / "b.jsonl"))
+
+
+def test_decoding_drops_finished_rows_and_equals_generate(tiny_model):
+    """The sampler's own decoding loop (finished rows leave the batch) gives what transformers'
+    generate gives, greedy, on a left-padded batch where rows end at different steps; and a step
+    runs only the rows still decoding; repeated prompts share one prefill."""
+    import torch
+    sampler = common.HFSampler(tiny_model, 0.0, 1.0, 8)
+    batch = sampler.tok(["Write f(x).", "Write a much longer g(x, y) for me, please, with care.", "Hi"],
+                        return_tensors="pt", padding=True, add_special_tokens=False)
+    free, _ = sampler._generate(batch["input_ids"], batch["attention_mask"])
+    assert [len(n) for n in free] == [8, 8, 8]  # the tiny model never picks its end-of-turn token
+    end = free[0][2]  # make row 0 end at its third token; the other rows end where they pick it, if ever
+    sampler.end_tokens = {end}
+    before = sampler.rows_decoded
+    ours, _ = sampler._generate(batch["input_ids"], batch["attention_mask"])
+    ref = sampler.model.generate(**batch, max_new_tokens=8, do_sample=False, eos_token_id=end, pad_token_id=end,
+                                 top_k=None, top_p=None, temperature=None)[:, batch["input_ids"].shape[1]:].tolist()
+    cut = lambda row: row[:row.index(end) + 1] if end in row else row
+    assert ours == [cut(r) for r in ref] and len(ours[0]) == 3
+    assert sampler.rows_decoded - before == sum(map(len, ours)) < 3 * 8  # finished rows left the batch
+    # N samples of one prompt share its prefill: greedy, each equals the prompt decoded alone
+    sampler.end_tokens = {sampler.tok.eos_token_id}
+    prompts = ["Hi", "Write f(x).", "Hi", "Hi"]
+    assert sampler.generate(prompts) == [sampler.generate([p])[0] for p in prompts]
+    torch.manual_seed(0)
+    hot = common.HFSampler(tiny_model, 1.0, 0.5, 8)
+    assert len(hot.generate(["Write f(x).", "Hi"])) == 2

@@ -17,9 +17,11 @@ temperature and vLLM version). Per state, up to pairs_per_state distinct pairs, 
 candidate of the better half by advantage to one of the worse half (the higher one is chosen); the
 pairs with the largest advantage gaps are taken first, so the first pair is best against worst.
 
-Sampling is batched: the N candidates of --state_batch states are one batch (hf: one padded
-generate call). Scoring shares work: the prompt (c + o_t) is run once, and the N candidates run as one batch
-on its KV cache (common.shared_prompt_logprobs); it equals naive one-by-one scoring (tests check 1e-4).
+Sampling is batched: the N candidates of --state_batch states are one batch (hf: each state's
+prompt runs once for its N samples, and a finished candidate leaves the batch; common.HFSampler).
+Scoring shares work: the prompt (c + o_t) is run once, and the N candidates run on its KV cache in
+batches of similar length (common.shared_prompt_logprobs); it equals naive one-by-one scoring
+(tests check 1e-4).
 
 Turn-credit accuracy (procedural code tasks): every candidate's true class (colbench.turn_class) is
 stored in the states file, and each critic (--critic and --credit_critics) is scored on every two

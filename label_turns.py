@@ -18,15 +18,14 @@ candidate of the better half by advantage to one of the worse half (the higher o
 pairs with the largest advantage gaps are taken first, so the first pair is best against worst.
 
 Sampling is batched: the N candidates of --state_batch states are one batch (hf: each state's
-prompt runs once for its N samples, and a finished candidate leaves the batch; common.HFSampler).
+prompt runs once for its N samples, and a finished candidate leaves the batch; models.HFSampler).
 Scoring shares work: the prompt (c + o_t) is run once, and the N candidates run on its KV cache in
 batches of similar length (common.shared_prompt_logprobs); it equals naive one-by-one scoring
 (tests check 1e-4).
 
-Turn-credit accuracy (procedural code tasks): every candidate's true class (colbench.turn_class) is
-stored in the states file, and each critic (--critic and --credit_critics) is scored on every two
-candidates of a state whose classes differ; printed and written to PAIRS.credit.json, with how
-many DPO pairs the true classes call right, wrong, or cannot judge (both turns of one class).
+Turn-credit accuracy (procedural code tasks; credit.py, apart from the algorithm): every candidate's
+true class is stored in the states file beside every critic's advantages (--critic and
+--credit_critics), and PAIRS.credit.json says how often each critic ranks a good turn above a bad one.
 
 Deviations from the paper / released code:
 1. pi_ref sees the same input as the critic (c + o_t), as in the critic's own objective (the released
@@ -49,7 +48,8 @@ import torch
 
 import colbench
 import common
-import sandbox
+import models
+import credit
 from train_critic import training_info, turn_advantage
 
 
@@ -85,6 +85,9 @@ class Args:
     """openai backend: concurrent requests"""
     state_batch: int = 8
     """states whose candidates are sampled in one batch (hf: one padded batch of state_batch x N prompts)"""
+    max_batch_tokens: int = 65536
+    """hf sampling and scoring hold at most this many rows x (prompt + candidate) tokens of KV cache at once
+    (sub-batches), so memory stays bounded whatever the candidates and the prompt length (bench/bench_label_memory.py)"""
     seed: int = 0
     """sampling and pair drawing"""
     shard: str = ""
@@ -114,39 +117,12 @@ def make_pairs(candidates, advantages, k, rng):
     return pairs
 
 
-def state_dialogue(traj, turn):
-    """The messages before agent turn `turn` (what the agent had seen)."""
-    seen = 0
-    for j, m in enumerate(traj["dialogue_history"]):
-        if m["role"] == "assistant" and "input" in m:
-            if seen == turn:
-                return traj["dialogue_history"][:j]
-            seen += 1
-    return traj["dialogue_history"]
-
-
-def credit_accuracy(states, name):
-    """Turn-credit accuracy of one critic over labelled states: among every two candidates of a state
-    whose ground-truth classes differ, the share where the critic gives the good one the higher
-    advantage (ties count half). Returns (accuracy or None, number of such pairs)."""
-    hits, n = 0.0, 0
-    for s in states:
-        cls, adv = s.get("classes"), s.get("advantages_by_critic", {}).get(name)
-        if not cls or adv is None:
-            continue
-        for i in range(len(cls)):
-            for j in range(len(cls)):
-                if cls[i] == "good" and cls[j] == "bad":
-                    n += 1
-                    hits += 1.0 if adv[i] > adv[j] else 0.5 if adv[i] == adv[j] else 0.0
-    return (hits / n if n else None), n
-
-
 def main(args):
     common.refuse(args.num_candidates < 2 and "--num_candidates must be at least 2 (pairs need two candidates)",
                   args.pairs_per_state < 1 and "--pairs_per_state must be at least 1",
                   not 0 < args.data_fraction <= 1 and "--data_fraction must be in (0, 1]",
                   args.state_batch < 1 and "--state_batch must be at least 1",
+                  args.max_batch_tokens < 1 and "--max_batch_tokens must be positive",
                   args.temperature <= 0 and "--temperature must be positive (greedy candidates are all the same)",
                   not 0 < args.top_p <= 1 and "--top_p must be in (0, 1]",
                   args.agent_backend not in ("hf", "openai", "vllm") and "--agent_backend: choose hf, openai or vllm",
@@ -163,8 +139,10 @@ def main(args):
     common.refuse(*[s["model"] != ref_name and f"critic {name} starts from {s['model']}, the main critic from {ref_name}: "
                     f"one pi_ref for all" for name, s in critic_settings.items()])
     policy_name = args.policy or ref_name
+    if args.agent_backend == "vllm":
+        models.pin_gpu()  # before anything touches CUDA: this rank's engine and models on its own GPU
     shard, num_shards = common.parse_shard(args.shard)
-    common.seed_everything(args.seed + shard)
+    models.seed_everything(args.seed + shard)
     rng = random.Random(args.seed + shard)
 
     graded = colbench.load_graded(args.trajectories)
@@ -188,7 +166,7 @@ def main(args):
         label(args, todo, critic_dirs, critic_settings, ref_name, policy_name, rng, pairs_out, state_log)
     pairs_out.close()
     state_log.close()
-    report_credit(args, out_path, critic_dirs)
+    credit.report(out_path, list(critic_dirs))
     print(f"wrote {out_path}")
 
 
@@ -196,10 +174,10 @@ class Scorer:
     """Scores candidate turns of a state: every critic's advantage (each with pi_ref on the same input)
     and, on procedural code tasks, every candidate's true class."""
 
-    def __init__(self, tok, critics, critic_settings, ref, max_len, max_turns):
+    def __init__(self, tok, critics, critic_settings, ref, max_len, max_turns, max_batch_tokens=None):
         self.tok, self.critics, self.settings, self.ref = tok, critics, critic_settings, ref
-        self.max_len, self.max_turns = max_len, max_turns
-        self.gt_results = {}  # task_id -> the ground truth's results, to grade candidate answers
+        self.max_len, self.max_batch_tokens = max_len, max_batch_tokens
+        self.classes = credit.TrueClasses(max_turns)  # the diagnostics' ground truth (credit.py), not the algorithm's
 
     @torch.no_grad()
     def advantages(self, task, prompt, candidates):
@@ -209,37 +187,28 @@ class Scorer:
             s = self.settings[name]
             prefix = training_info(task, s.get("no_training_info", False))  # c reaches the critic and pi_ref
             prompt_ids, cand_ids = common.encode_shared(self.tok, prefix, prompt, candidates, self.max_len)
-            logp_sum, count = common.shared_prompt_logprobs(critic, prompt_ids, cand_ids)
+            logp_sum, count = common.shared_prompt_logprobs(critic, prompt_ids, cand_ids, max_tokens=self.max_batch_tokens)
             if prefix not in ref_scores:  # pi_ref once per distinct input
-                ref_scores[prefix] = common.shared_prompt_logprobs(self.ref, prompt_ids, cand_ids)[0]
+                ref_scores[prefix] = common.shared_prompt_logprobs(self.ref, prompt_ids, cand_ids,
+                                                                   max_tokens=self.max_batch_tokens)[0]
             out[name] = turn_advantage(logp_sum, ref_scores[prefix], count, s["beta"]).tolist()
         return out
 
-    def classes(self, traj, turn, candidates):
-        """Every candidate's true class (colbench.turn_class), or None where the task has no scripted facts."""
-        task = traj["task"]
-        if "family" not in task or "test_cases" not in task:
-            return None
-        if task["task_id"] not in self.gt_results:
-            self.gt_results[task["task_id"]] = sandbox.run_calls(task["ground_truth"], list(task["test_cases"].items()))
-        grade = lambda code: sandbox.grade_code(task, code, gt_results=self.gt_results[task["task_id"]])["success"]
-        before = state_dialogue(traj, turn)
-        return [colbench.turn_class(task, before, c, turn >= self.max_turns - 1, grade) for c in candidates]
-
-
 def label(args, todo, critic_dirs, critic_settings, ref_name, policy_name, rng, pairs_out, state_log):
     """Sample, score and pair the candidates of every state in todo; one states.jsonl row per state."""
-    device = common.local_device()  # cuda:LOCAL_RANK under torchrun
+    device = models.local_device()  # cuda:LOCAL_RANK under torchrun
     sampler = None
     if args.agent_backend == "vllm":  # vLLM first, with its share of the GPU; the critics and pi_ref fit after it
-        sampler = common.make_sampler("vllm", policy_name, args.temperature, args.top_p, args.max_new_tokens, args.seed,
-                                      gpu_memory_utilization=args.gpu_memory_utilization)
-    critics = {name: common.load_model(d, device).eval() for name, d in critic_dirs.items()}
-    ref = common.load_model(ref_name, device).eval()
-    sampler = sampler or common.make_sampler(args.agent_backend, policy_name, args.temperature, args.top_p,
-                                             args.max_new_tokens, args.seed, args.agent_url, args.batch_size,
-                                             loaded=ref if policy_name == ref_name else None)
-    scorer = Scorer(common.load_tokenizer(ref_name), critics, critic_settings, ref, args.max_len, args.max_turns)
+        sampler = models.make_sampler("vllm", policy_name, args.temperature, args.top_p, args.max_new_tokens, args.seed,
+                                        gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_len)
+    critics = {name: models.load_model(d, device).eval() for name, d in critic_dirs.items()}
+    ref = models.load_model(ref_name, device).eval()
+    sampler = sampler or models.make_sampler(args.agent_backend, policy_name, args.temperature, args.top_p,
+                                               args.max_new_tokens, args.seed, args.agent_url, args.batch_size,
+                                               loaded=ref if policy_name == ref_name else None,
+                                               max_batch_tokens=args.max_batch_tokens)
+    scorer = Scorer(models.load_tokenizer(ref_name), critics, critic_settings, ref, args.max_len, args.max_turns,
+                    args.max_batch_tokens)
 
     bar = common.tqdm_if(None, True, "states", total=len(todo))
     for first in range(0, len(todo), args.state_batch):  # candidates of state_batch states in one sampling batch
@@ -269,43 +238,6 @@ def label_state(state, candidates, scorer, pairs_per_state, rng, pairs_out, stat
         row["classes"] = classes
         row["advantages_by_critic"] = advantages
     state_log.write(row)
-
-
-def dpo_pair_classes(states, pairs):
-    """How the DPO pairs stand against the true classes: right (a good turn chosen over a bad one),
-    wrong (bad over good), same_class (the pair says nothing the true classes could check)."""
-    classes = {(s["task_id"], s["sample"], s["turn"]): dict(zip(s["candidates"], s["classes"]))
-               for s in states if s.get("classes")}
-    counts = {"right": 0, "wrong": 0, "same_class": 0}
-    for p in pairs:
-        c = classes.get((p["task_id"], p["sample"], p["turn"]))
-        if c is not None:
-            chosen, rejected = c[p["chosen"]], c[p["rejected"]]
-            counts["same_class" if chosen == rejected else "right" if chosen == "good" else "wrong"] += 1
-    return counts
-
-
-def report_credit(args, out_path, critic_dirs):
-    """Turn-credit accuracy of every critic on this shard's labelled states, printed and written to
-    PAIRS.credit.json. 'untrained' is pi_ref itself as critic: its advantage is 0 for every turn."""
-    states = [r for _, r in common.read_jsonl(Path(f"{out_path}.states.jsonl"))] if Path(f"{out_path}.states.jsonl").exists() else []
-    report = {"states": len(states), "states_with_classes": sum("classes" in s for s in states), "credit_accuracy": {},
-              "class_pairs": {}}
-    for s in states:  # the untrained critic is pi_ref: log pi_ref - log pi_ref = 0 for every turn
-        if "advantages_by_critic" in s:
-            s["advantages_by_critic"]["untrained"] = [0.0] * len(s["candidates"])
-    for name in [*critic_dirs, "untrained"]:
-        report["credit_accuracy"][name], report["class_pairs"][name] = credit_accuracy(states, name)
-    if report["states_with_classes"]:
-        pairs = [r for _, r in common.read_jsonl(out_path)] if Path(out_path).exists() else []
-        report["dpo_pairs"] = dpo_pair_classes(states, pairs)
-        common.write_text(f"{out_path}.credit.json", json.dumps(report, indent=2))
-        print("turn-credit accuracy (pairs of candidates with different true classes): " +
-              ", ".join(f"{k} {v:.3f}" if v is not None else f"{k} -" for k, v in report["credit_accuracy"].items()),
-              file=sys.stderr)
-        print("DPO pairs against the true classes: " + ", ".join(f"{k} {v}" for k, v in report["dpo_pairs"].items()),
-              file=sys.stderr)
-    return report
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 import colbench
 import common
+import models
 import render
 
 
@@ -106,7 +107,7 @@ class Args:
 
 
 # ----------------------------------------------------------------------------------------------
-# Agent backends: generate(prompts, keys) -> generated texts. hf/openai/vllm live in common.py
+# Agent backends: generate(prompts, keys) -> generated texts. hf/openai/vllm live in models.py
 # (label_turns.py samples with them too); the oracle is rollout-only.
 # ----------------------------------------------------------------------------------------------
 def oracle_question(fact):
@@ -151,7 +152,7 @@ class OracleAgent:
     Draws are seeded by (seed, task, sample, turn): reruns are identical."""
 
     def __init__(self, model, args):
-        self.args, self.tok = args, common.load_tokenizer(model)
+        self.args, self.tok = args, models.load_tokenizer(model)
 
     def rng(self, ep, *extra):
         return random.Random(f"{self.args.seed}/{ep['task']['task_id']}/{ep['sample']}/{'/'.join(map(str, extra))}")
@@ -199,8 +200,10 @@ def main(args):
                   args.temperature < 0 and "--temperature must be >= 0", not 0 < args.top_p <= 1 and "--top_p must be in (0, 1]",
                   args.max_new_tokens < 1 and "--max_new_tokens must be at least 1",
                   args.first_sample < 0 and "--first_sample must be >= 0")
+    if args.agent_backend == "vllm":
+        models.pin_gpu()  # before anything touches CUDA: under torchrun, this rank's engine on its own GPU
     shard, num_shards = common.parse_shard(args.shard)
-    common.seed_everything(args.seed + shard)
+    models.seed_everything(args.seed + shard)
     tasks = colbench.load_tasks(args.tasks, args.task_type)[: args.num_tasks or None]
     templates = colbench.load_prompts(args.prompt_dir, args.task_type)  # None: ours
     jobs = [(t, k) for t in tasks for k in range(args.first_sample, args.first_sample + args.samples)][shard::num_shards]
@@ -216,9 +219,10 @@ def main(args):
         return
     human = common.ChatClient(args.simulator_url, args.simulator_model or None, workers=args.human_workers,
                               timeout=args.simulator_timeout, retry_time=args.simulator_retry_s)
-    agent = OracleAgent(args.agent_model, args) if args.agent_backend == "oracle" else common.make_sampler(
+    agent = OracleAgent(args.agent_model, args) if args.agent_backend == "oracle" else models.make_sampler(
         args.agent_backend, args.agent_model, args.temperature, args.top_p, args.max_new_tokens, args.seed + shard,
-        args.agent_url, args.batch_size, args.gpu_memory_utilization, reuse_cache=args.reuse_cache)
+        args.agent_url, args.batch_size, args.gpu_memory_utilization, reuse_cache=args.reuse_cache,
+        max_model_len=args.max_prompt_tokens + args.max_new_tokens)
     max_chars = colbench.HUMAN_MAX_CHARS[args.task_type]
     pool = render.RenderPool(args.render_workers) if args.task_type == "html" else None
     targets = {}  # html: task_id -> the target page's render, once per task
@@ -229,7 +233,7 @@ def main(args):
             t, k = todo.popleft()
             active.append({"task": t, "sample": k, "task_type": args.task_type,
                            "dialogue": [{"role": "user", "content": t["problem_description"]}]})
-        prompts = [common.render_prompt(agent.tok, colbench.agent_messages(ep["task"], ep["dialogue"], args.task_type, templates))
+        prompts = [models.render_prompt(agent.tok, colbench.agent_messages(ep["task"], ep["dialogue"], args.task_type, templates))
                    for ep in active]
         too_long = [len(agent.tok(p, add_special_tokens=False)["input_ids"]) > args.max_prompt_tokens for p in prompts]
         ok = [i for i, bad in enumerate(too_long) if not bad]

@@ -55,7 +55,9 @@ TRAIN_LAYERS=${TRAIN_LAYERS:-$([ "$MODEL" = embedded ] && echo 10 || echo 0)}  #
 CRITIC_EPOCHS=${CRITIC_EPOCHS:-2}
 CREDIT_VARIANTS=${CREDIT_VARIANTS:-$([ "${TASK_TYPE:-code}" = code ] && echo 1 || echo 0)}  # critic ablations for turn-credit accuracy: 1 without training-time information, 2 also the trajectory-mean form
 BATCH_SIZE=${BATCH_SIZE:-64}          # rollout dialogues per batch
-NPROC=${NPROC:-1}                     # processes per training stage (torchrun + FSDP2 when > 1)
+NPROC=${NPROC:-1}                     # processes (GPUs) per stage: training under torchrun + FSDP2; vLLM sampling sharded
+AGENT_BACKEND=${AGENT_BACKEND:-}      # how rollouts and label_turns sample the policy: hf | vllm (empty: vllm when installed and MODEL is not embedded)
+GRAD_CKPT=${GRAD_CKPT:-$([ "$MODEL" = embedded ] && echo 0 || echo 1)}  # activation checkpointing in critic and DPO training
 SEED=${SEED:-0}
 SIMULATOR_URL=${SIMULATOR_URL:-}      # empty: start the embedded scripted human
 BASELINES=${BASELINES:-0}
@@ -65,7 +67,7 @@ PROMPT_DIR=${PROMPT_DIR:-}            # prompt templates replacing ours (e.g. a 
 
 KNOWN="SMALL TRAIN_TASKS TEST_TASKS RUN MODEL WARMUP N_WARMUP WARMUP_FAMILIES ORACLE_HASTY WARM_BAND WARMUP_TRIES HASTY_STEP ORACLE_DETOUR N_TRAIN N_TEST N_VAL VAL_SAMPLES SNAPSHOTS SAMPLES ORACLE_SAMPLES
   CANDIDATES PAIRS_PER_STATE DATA_FRACTION TEMPERATURE TRAIN_TEMPERATURE TOP_P MAX_TURNS MAX_NEW_TOKENS LR_WARMUP LR_CRITIC LR_DPO
-  CRITIC_EPOCHS CREDIT_VARIANTS TRAIN_LAYERS BATCH_SIZE NPROC SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL PROMPT_DIR REPORT_DIALOGUES SETUP PY"
+  CRITIC_EPOCHS CREDIT_VARIANTS TRAIN_LAYERS BATCH_SIZE NPROC AGENT_BACKEND GRAD_CKPT SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL PROMPT_DIR REPORT_DIALOGUES SETUP PY"
 echo "run.sh: run directory $RUN$([ -d "$RUN" ] && echo ' (exists: finished stages are reused)')"
 for v in OUT_DIR OUTPUT_DIR RUN_DIR OUTPUT; do  # easy mistakes: run.sh reads RUN
   if [ -n "${!v-}" ]; then echo "run.sh: warning: $v is set but run.sh does not read it; the run directory is RUN=$RUN" >&2; fi
@@ -73,6 +75,8 @@ done
 for v in $KNOWN; do printf '  %s=%s\n' "$v" "${!v-}"; done
 [ "${SETUP:-1}" = 1 ] && bash setup.sh
 PY=${PY:-.venv/bin/python}
+[ -n "$AGENT_BACKEND" ] || AGENT_BACKEND=$([ "$MODEL" != embedded ] && "$PY" -c 'import importlib.util as u, sys; sys.exit(not u.find_spec("vllm"))' \
+  && echo vllm || echo hf)
 mkdir -p "$RUN"
 log() { printf '\n== %s\n' "$*"; }
 train() {  # a training stage; it continues from OUTPUT_DIR/resume when a killed run left one there
@@ -80,7 +84,18 @@ train() {  # a training stage; it continues from OUTPUT_DIR/resume when a killed
   for ((i = 0; i + 1 < ${#a[@]}; i++)); do
     if [ "${a[i]}" = --output_dir ] && { [ -d "${a[i+1]}/resume" ] || [ -d "${a[i+1]}/resume.old" ]; }; then a+=(--resume); fi
   done
+  [ "$GRAD_CKPT" = 1 ] && a+=(--grad_ckpt)
   if [ "$NPROC" -gt 1 ]; then "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" "${a[@]}"; else "$PY" "${a[@]}"; fi
+}
+sample() {  # sample OUT SCRIPT ARGS: with NPROC > 1, NPROC ranks (torchrun) each sample their shard of the work on their
+            # own GPU, then OUT (and label_turns' OUT.states.jsonl) = the shards in order; else one process
+  local out=$1 i part suffix; shift
+  if [ "$NPROC" -le 1 ] || [[ " $* " = *" --agent_backend oracle "* ]]; then "$PY" "$@"; return; fi
+  "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" "$@"
+  for suffix in "" .states.jsonl; do
+    part=(); for ((i = 0; i < NPROC; i++)); do [ -f "$out.shard-$i-of-$NPROC$suffix" ] && part+=("$out.shard-$i-of-$NPROC$suffix"); done
+    [ ${#part[@]} -eq 0 ] || cat "${part[@]}" > "$out$suffix"
+  done
 }
 have() {  # a finished checkpoint (config.json is written last): reuse it, and say so
   if [ -f "$1/config.json" ]; then echo "reusing $1 (finished earlier; delete it to redo that stage)"; return 0; fi
@@ -103,7 +118,7 @@ log "simulated human at $SIMULATOR_URL"
 
 rollout() {  # rollout POLICY TASKS OUT [extra args, which win]
   local policy=$1 tasks=$2 out=$3; shift 3
-  "$PY" rollout.py --tasks "$tasks" --output "$out" --agent_model "$policy" --simulator_url "$SIMULATOR_URL" \
+  sample "$out" rollout.py --tasks "$tasks" --output "$out" --agent_model "$policy" --agent_backend "$AGENT_BACKEND" --simulator_url "$SIMULATOR_URL" \
     --temperature "$TEMPERATURE" --top_p "$TOP_P" --max_turns "$MAX_TURNS" --max_new_tokens "$MAX_NEW_TOKENS" --batch_size "$BATCH_SIZE" \
     --seed "$SEED" --task_type "$TASK_TYPE" ${PROMPT_DIR:+--prompt_dir "$PROMPT_DIR"} "$@"
 }
@@ -208,9 +223,11 @@ if [ "$CREDIT_VARIANTS" -ge 2 ]; then
   variants=("trajectory_mean=$RUN/critic_trajectory_mean" "${variants[@]}")
 fi
 [ ${#variants[@]} -gt 0 ] && variants=(--credit_critics "$(IFS=,; echo "${variants[*]}")")
-"$PY" label_turns.py --trajectories "$RUN/train_graded.jsonl" --critic "$RUN/critic" --output "$RUN/pairs.jsonl" \
+sample "$RUN/pairs.jsonl" label_turns.py --trajectories "$RUN/train_graded.jsonl" --critic "$RUN/critic" --output "$RUN/pairs.jsonl" \
+  --agent_backend "$AGENT_BACKEND" \
   --num_candidates "$CANDIDATES" --pairs_per_state "$PAIRS_PER_STATE" --data_fraction "$DATA_FRACTION" \
   --temperature 1.0 --max_new_tokens "$MAX_NEW_TOKENS" --max_turns "$MAX_TURNS" --seed "$SEED" "${variants[@]}"
+if [ "$NPROC" -gt 1 ] && [ -z "$TRAIN_TASKS" ]; then "$PY" credit.py --pairs "$RUN/pairs.jsonl"; fi  # over all shards
 have "$RUN/policy_sweet" || train train_dpo.py --mode turn --pairs "$RUN/pairs.jsonl" --model "$POLICY" \
   --output_dir "$RUN/policy_sweet" --lr "$LR_DPO" --seed "$SEED" --train_layers "$TRAIN_LAYERS" "${snap[@]}"
 best_of sweet "$RUN/policy_sweet"

@@ -2,7 +2,9 @@
 exactly as it would to `vllm serve meta-llama/Llama-3.1-70B-Instruct`.
 
 Serves GET /v1/models, POST /v1/chat/completions (the human) and POST /v1/completions (raw prompt
-completion, hf backend only; lets the `openai` agent backend be tested against it).
+completion, a string or token ids, hf backend only; lets the `openai` agent backend be tested against
+it). Replies carry `usage` (hf: tokens; scripted: words and punctuation marks, it has no tokenizer);
+`"stream": true` is answered as the OpenAI API does, with server-sent events (the reply in one chunk).
 
     python simulator.py                          # scripted human on http://127.0.0.1:8000/v1
     python simulator.py --port 0                 # any free port; the URL is printed when ready
@@ -31,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 import sys
 import threading
 import time
@@ -39,6 +42,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import colbench
 import common
+import models
 import render
 
 
@@ -146,6 +150,10 @@ def design_feedback(agent_img, target_img):
 class ScriptedBackend:
     name = "scripted-human"
 
+    @staticmethod
+    def count(text):
+        return len(re.findall(r"\w+|[^\w\s]", text))
+
     def __init__(self, human_template=None):
         self.human_template = human_template  # --prompt_dir: the hidden information is inside this template
 
@@ -178,12 +186,21 @@ class HFBackend:
         from transformers import AutoModelForCausalLM
         self.torch = torch
         self.name = model
-        self.tok = common.load_tokenizer(model)
-        self.model = AutoModelForCausalLM.from_pretrained(common.resolve_model(model), dtype=torch.float32).eval()
+        self.tok = models.load_tokenizer(model)
+        self.model = AutoModelForCausalLM.from_pretrained(models.resolve_model(model), dtype=torch.float32).eval()
         self.lock = threading.Lock()  # one generation at a time; requests queue up
 
+    def count(self, text):
+        return len(self.tok(text, add_special_tokens=False)["input_ids"])
+
     def complete(self, prompt, max_tokens, temperature=0.0):
-        ids = self.tok(prompt, return_tensors="pt", add_special_tokens=False)
+        """prompt: a string (tokenised as given, no special tokens added) or a list of token ids."""
+        if isinstance(prompt, list):
+            if not all(isinstance(t, int) for t in prompt):
+                raise ValueError("prompt: a string or a list of token ids")
+            ids = {"input_ids": self.torch.tensor([prompt]), "attention_mask": self.torch.ones(1, len(prompt), dtype=self.torch.long)}
+        else:
+            ids = self.tok(prompt, return_tensors="pt", add_special_tokens=False)
         with self.lock, self.torch.no_grad():
             out = self.model.generate(**ids, max_new_tokens=max_tokens, do_sample=temperature > 0,
                                       temperature=temperature or None, top_p=None, top_k=None,
@@ -191,7 +208,7 @@ class HFBackend:
         return self.tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
 
     def chat(self, messages, max_tokens):
-        return self.complete(common.render_prompt(self.tok, messages), max_tokens).strip()
+        return self.complete(models.render_prompt(self.tok, messages), max_tokens).strip()
 
 
 def make_handler(backend, default_max_tokens):
@@ -217,24 +234,46 @@ def make_handler(backend, default_max_tokens):
             try:
                 req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
                 max_tokens = req.get("max_tokens") or default_max_tokens
-                if self.path.rstrip("/") == "/v1/chat/completions":
+                chat = self.path.rstrip("/") == "/v1/chat/completions"
+                if chat:
                     text = backend.chat(req["messages"], max_tokens)
-                    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+                    prompt = [m["content"] for m in req["messages"]]
                 elif self.path.rstrip("/") == "/v1/completions":
                     text = backend.complete(req["prompt"], max_tokens, req.get("temperature", 0.0))
-                    choice = {"index": 0, "text": text, "finish_reason": "stop"}
+                    prompt = req["prompt"]
                 else:
                     return self.send_json(404, {"error": {"message": f"no route {self.path}"}})
+                n_prompt = len(prompt) if prompt and isinstance(prompt[0], int) else backend.count(json.dumps(prompt))
             except (KeyError, ValueError, TypeError) as e:
                 return self.send_json(400, {"error": {"message": f"bad request: {e}"}})
-            self.send_json(200, {"id": f"cmpl-{time.time_ns()}", "object": "chat.completion", "created": int(time.time()),
-                                 "model": backend.name, "choices": [choice]})
+            usage = {"prompt_tokens": n_prompt, "completion_tokens": backend.count(text)}
+            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+            head = {"id": f"cmpl-{time.time_ns()}", "created": int(time.time()), "model": backend.name}
+            if not req.get("stream"):
+                choice = {"index": 0, "finish_reason": "stop",
+                          **({"message": {"role": "assistant", "content": text}} if chat else {"text": text})}
+                return self.send_json(200, {**head, "object": "chat.completion" if chat else "text_completion",
+                                            "choices": [choice], "usage": usage})
+            # server-sent events, as the OpenAI API streams: the reply, the end, then usage if asked for
+            kind = "chat.completion.chunk" if chat else "text_completion"
+            part = lambda d, end: {"index": 0, "finish_reason": end, **({"delta": d} if chat else {"text": d.get("content", "")})}
+            events = [{**head, "object": kind, "choices": [part({"role": "assistant", "content": text}, None)]},
+                      {**head, "object": kind, "choices": [part({}, "stop")]}]
+            if (req.get("stream_options") or {}).get("include_usage"):
+                events.append({**head, "object": kind, "choices": [], "usage": usage})
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.end_headers()  # HTTP/1.0: the stream ends when the connection closes
+            for e in events:
+                self.wfile.write(f"data: {json.dumps(e)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
     return Handler
 
 
 def serve(args):
     template = colbench.load_prompts(args.prompt_dir, "code")["human"] if args.prompt_dir else None
-    backend = ScriptedBackend(template) if args.backend == "scripted" else HFBackend(args.model or common.EMBEDDED)
+    backend = ScriptedBackend(template) if args.backend == "scripted" else HFBackend(args.model or models.EMBEDDED)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(backend, args.max_new_tokens))
     server.daemon_threads = True
     return server

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 import colbench
 import common
+import models
 
 
 @dataclass
@@ -72,6 +73,12 @@ class Args:
     """at the end, also score every train pair (a forward pass over all of them) into final_metrics.json"""
     train_layers: int = 0
     """train only the top N decoder layers (+ final norm; 0 = all): a cheaper backward on CPU"""
+    dtype: str = "auto"
+    """compute dtype: auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float32. The weights the optimizer
+    updates stay fp32 (mixed precision): a bf16 weight would round a 2e-7 step away"""
+    save_dtype: str = "float32"
+    """float32 (the trained weights as they are) | bfloat16 (half the size, for serving: a weight whose
+    whole update is below half a bf16 step rounds back to its starting value)"""
     grad_ckpt: bool = False
     """activation checkpointing (implies --no_shared_prefix)"""
     shared_prefix: bool = True
@@ -121,13 +128,13 @@ def main(args):
                   args.beta <= 0 and "--beta must be positive", args.lr <= 0 and "--lr must be positive",
                   args.epochs < 1 and "--epochs must be at least 1", args.batch_size < 1 and "--batch_size must be at least 1",
                   not 0 <= args.heldout_fraction < 1 and "--heldout_fraction must be in [0, 1)",
-                  args.save_every < 0 and "--save_every must be >= 0",
+                  args.save_every < 0 and "--save_every must be >= 0", *models.precision_problems(args),
                   args.resume and not Path(args.output_dir, "resume").exists() and not Path(args.output_dir, "resume.old").exists()
                   and f"--resume: nothing to resume in {args.output_dir}/resume")
     common.check_writable(args.output_dir.rstrip("/") + "/")
     rank, world, device = common.init_distributed()
     torch.manual_seed(args.seed)
-    tok = common.load_tokenizer(args.model)
+    tok = models.load_tokenizer(args.model)
     graded = colbench.load_graded(args.trajectories)
     pairs = colbench.trajectory_pairs(graded, args.task_type)
     if not pairs:
@@ -149,8 +156,8 @@ def main(args):
         print(f"{len(pairs)} pairs from {len(task_ids)} tasks: {len(train_pairs)} train, {len(held_pairs)} held out",
               flush=True)
 
-    critic = common.shard_model(common.load_model(args.model, device, args.grad_ckpt, train_layers=args.train_layers),
-                                world, device)
+    critic = common.shard_model(models.load_model(args.model, device, args.grad_ckpt, torch.float32, args.train_layers),
+                                world, device, models.compute_dtype(args.dtype, device))
     def turn_logprobs(m, group):
         """Per-turn (sum, count) of agent-token log-probs of trajectories of one task ([n_turns] each)."""
         if args.shared_prefix and not args.grad_ckpt:  # c + first prompt once (common.shared_prefix_turn_logprobs)
@@ -231,7 +238,7 @@ def main(args):
     if rank == 0:
         print("final " + " ".join(f"{k}={v:.4g}" for k, v in final.items()), flush=True)
         common.write_text(out / "final_metrics.json", json.dumps({"steps": len(log.history), **final}, indent=2))
-    common.save_checkpoint(critic, tok, args.output_dir, rank, args)
+    common.save_checkpoint(critic, tok, args.output_dir, rank, args, getattr(torch, args.save_dtype))
     if rank == 0:
         print(f"saved {args.output_dir}")
 

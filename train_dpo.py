@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 import colbench
 import common
+import models
 
 
 @dataclass
@@ -69,6 +70,12 @@ class Args:
     """longest token sequence; longer ones keep their last max_len tokens"""
     train_layers: int = 0
     """train only the top N decoder layers (+ final norm; 0 = all): a cheaper backward on CPU"""
+    dtype: str = "auto"
+    """compute dtype: auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float32. The weights the optimizer
+    updates stay fp32 (mixed precision): a bf16 weight would round a 2e-7 step away"""
+    save_dtype: str = "float32"
+    """float32 (the trained weights as they are) | bfloat16 (half the size, for serving: a weight whose
+    whole update is below half a bf16 step rounds back to its starting value)"""
     grad_ckpt: bool = False
     """activation checkpointing (less memory, ~30% slower)"""
     shared_prompt: bool = True
@@ -153,13 +160,14 @@ def main(args):
                   args.sft_on not in ("success", "all") and f"--sft_on {args.sft_on}: choose success or all",
                   args.beta <= 0 and "--beta must be positive", args.lr <= 0 and "--lr must be positive",
                   args.nll_coef < 0 and "--nll_coef must be >= 0", args.epochs < 1 and "--epochs must be at least 1",
+                  *models.precision_problems(args),
                   args.batch_size < 1 and "--batch_size must be at least 1", args.save_every < 0 and "--save_every must be >= 0",
                   args.resume and not Path(args.output_dir, "resume").exists() and not Path(args.output_dir, "resume.old").exists()
                   and f"--resume: nothing to resume in {args.output_dir}/resume")
     common.check_writable(args.output_dir.rstrip("/") + "/")
     rank, world, device = common.init_distributed()
     torch.manual_seed(args.seed)
-    tok = common.load_tokenizer(args.model)
+    tok = models.load_tokenizer(args.model)
     examples = build_examples(args)
     if not examples:
         sys.exit(f"no training examples for --mode {args.mode} (no pairs / no successful trajectories)")
@@ -173,7 +181,8 @@ def main(args):
         for side in ("chosen", "rejected"):
             if side in ex:
                 ex[side + "_seqs"] = common.tokenize_turns(tok, ex[side], max_len=args.max_len)
-    model = common.shard_model(common.load_model(args.model, device, args.grad_ckpt, train_layers=args.train_layers), world, device)
+    model = common.shard_model(models.load_model(args.model, device, args.grad_ckpt, torch.float32, args.train_layers),
+                               world, device, models.compute_dtype(args.dtype, device))
 
     def summed_logp(m, seqs, n_turns):
         total, count = common.turn_logprobs(m, seqs, n_turns)
@@ -248,8 +257,8 @@ def main(args):
         if args.save_every and step % args.save_every == 0 and step < len(batches):
             common.save_training_state(model, opt, out / "resume", step, order, rank)
         if step in snapshot_steps and not (out / f"step-{step}" / "config.json").exists():
-            common.save_checkpoint(model, tok, out / f"step-{step}", rank, args)
-    common.save_checkpoint(model, tok, args.output_dir, rank, args)
+            common.save_checkpoint(model, tok, out / f"step-{step}", rank, args, getattr(torch, args.save_dtype))
+    common.save_checkpoint(model, tok, args.output_dir, rank, args, getattr(torch, args.save_dtype))
     if rank == 0:
         print(f"saved {args.output_dir}")
 

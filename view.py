@@ -28,6 +28,7 @@ from pathlib import Path
 
 import colbench
 import common
+import models
 
 
 @dataclass
@@ -53,9 +54,9 @@ def turn_advantages(rows, critic_dir):
     import torch
     from train_critic import training_info, turn_advantage
     settings = json.loads((Path(critic_dir) / "run_settings.json").read_text())
-    device = torch.device("cpu")
-    tok = common.load_tokenizer(settings["model"])
-    critic, ref = (common.load_model(m, device).eval() for m in (critic_dir, settings["model"]))
+    device = models.local_device()  # a GPU when there is one: bf16 there (an 8B critic and pi_ref fit), fp32 on the CPU
+    tok = models.load_tokenizer(settings["model"])
+    critic, ref = (models.load_model(m, device).eval() for m in (critic_dir, settings["model"]))
     out = []
     with torch.no_grad():
         for r in common.tqdm_if(rows, True, "advantages"):

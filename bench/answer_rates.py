@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import colbench  # noqa: E402
 import common  # noqa: E402
+import models  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--policies", required=True, help="comma-separated HF checkpoints")
@@ -39,8 +40,8 @@ random.Random(a.seed).shuffle(states)
 chosen = [s for s in states if s[0]][: a.num_states // 2] + [s for s in states if not s[0]][: a.num_states // 2]
 logit = lambda q: math.log(q / (1 - q))
 for policy in a.policies.split(","):
-    tok = common.load_tokenizer(policy)
-    model = common.load_model(policy, common.local_device()).eval()
+    tok = models.load_tokenizer(policy)
+    model = models.load_model(policy, models.local_device()).eval()
     marker = tok(colbench.ANSWER_MARKER, add_special_tokens=False)["input_ids"]
     probs = {True: [], False: []}
     with torch.no_grad():

@@ -27,6 +27,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 import colbench  # noqa: E402
 import common  # noqa: E402
+import models  # noqa: E402
 import generate_tasks  # noqa: E402  (procedural tasks: realistic text for the synthetic pairs)
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -46,7 +47,7 @@ try:
     import trl
 except ImportError:
     sys.exit("TRL not found: pip install --no-deps -t /tmp/trl_site trl, then pass --trl_path /tmp/trl_site")
-tok = common.load_tokenizer(a.model)
+tok = models.load_tokenizer(a.model)
 ntok = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])
 
 
@@ -58,14 +59,14 @@ def synthetic_pairs(n, rng):
     for t in tasks:
         facts = [l for l in t["hidden_information"].splitlines() if l.strip()] or ["I don't know."]
         dialogue = [{"role": "user", "content": t["problem_description"]}]
-        while ntok(common.render_prompt(tok, colbench.agent_messages(t, dialogue))) < a.min_prompt_tokens:
+        while ntok(models.render_prompt(tok, colbench.agent_messages(t, dialogue))) < a.min_prompt_tokens:
             f = rng.choice(facts)
             dialogue += [{"role": "assistant", "content": f"Could you tell me more about this part: {f[:60]}?"},
                          {"role": "user", "content": " ".join(rng.sample(facts, len(facts)))}]
         def turn(text):  # 30-80 tokens with the end-of-turn token
             ids = tok(text, add_special_tokens=False)["input_ids"]
             return tok.decode(ids[: rng.randint(29, 79)])
-        pairs.append({"prompt": common.render_prompt(tok, colbench.agent_messages(t, dialogue)),
+        pairs.append({"prompt": models.render_prompt(tok, colbench.agent_messages(t, dialogue)),
                       "chosen": turn("What exactly should happen when " + " ".join(rng.choice(facts) for _ in range(20))),
                       "rejected": turn("I WANT TO ANSWER:\n" + t["ground_truth"] * 3)})
     return pairs
@@ -108,7 +109,7 @@ with tempfile.TemporaryDirectory() as d:
         def on_train_end(self, args, state, control, **kw):
             StepTimer.seconds = time.time() - StepTimer.t0
 
-    model = AutoModelForCausalLM.from_pretrained(common.resolve_model(a.model), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(models.resolve_model(a.model), dtype=torch.float32)
     config = trl.DPOConfig(output_dir=os.path.join(d, "trl"), beta=a.beta, loss_type=["sigmoid"], learning_rate=a.lr,
                            lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
                            # one pair per forward, as ours: 8 pairs in one padded batch of 16 sequences were
@@ -127,7 +128,7 @@ with tempfile.TemporaryDirectory() as d:
     trl_prompts = [r["prompt"] for r in trainer.train_dataset]
 
 # the reference log-probs: ours (common.shared_prompt_logprobs, the starting weights) vs TRL's, same pair
-model = common.load_model(a.model, torch.device("cpu")).eval()
+model = models.load_model(a.model, torch.device("cpu")).eval()
 diff = 0.0
 with torch.no_grad():
     for r, prompt, (c, rj) in zip(pairs, trl_prompts, ref_trl):

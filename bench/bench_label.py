@@ -12,6 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import common  # noqa: E402
+import models  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__)
 p.add_argument("--model", default="embedded")
@@ -19,7 +20,7 @@ p.add_argument("--num_candidates", type=int, default=16)
 p.add_argument("--prompt_tokens", type=int, default=600)
 p.add_argument("--candidate_tokens", type=int, default=40)
 a = p.parse_args()
-model = common.load_model(a.model, torch.device("cpu")).eval()
+model = models.load_model(a.model, torch.device("cpu")).eval()
 g = torch.Generator().manual_seed(0)
 prompt = torch.randint(100, 40000, (a.prompt_tokens,), generator=g).tolist()
 cands = [torch.randint(100, 40000, (a.candidate_tokens,), generator=g).tolist() for _ in range(a.num_candidates)]

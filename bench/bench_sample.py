@@ -1,5 +1,5 @@
 """Candidate sampling as label_turns does it: N candidates for each of K states, one batch.
-Ours (common.HFSampler: the N samples of a prompt share one prefill, a finished row leaves the
+Ours (models.HFSampler: the N samples of a prompt share one prefill, a finished row leaves the
 batch) against transformers' generate on the left-padded batch of K x N prompts (what HFSampler
 called before). Same temperature and max_new_tokens; reports candidates per second of each and
 their lengths (different random draws, so the lengths differ a little).
@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import colbench  # noqa: E402
-import common  # noqa: E402
+import models  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__)
 p.add_argument("--model", default="embedded")
@@ -30,7 +30,7 @@ graded = colbench.load_graded(a.trajectories)
 random.Random(0).shuffle(graded)
 states = [inp for t in graded for inp, _ in colbench.agent_turns(t)][:a.states]
 prompts = [s for s in states for _ in range(a.num_candidates)]
-sampler = common.HFSampler(a.model, a.temperature, 1.0, a.max_new_tokens)
+sampler = models.HFSampler(a.model, a.temperature, 1.0, a.max_new_tokens)
 tok = sampler.tok
 ends = {tok.eos_token_id, tok.pad_token_id}
 length = lambda ids: next((i + 1 for i, t in enumerate(ids) if t in ends), len(ids))

@@ -17,23 +17,30 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def build_tiny_model(out_dir, seed=0):
+def build_tiny_model(out_dir, seed=0, bos=False):
+    """bos=True: a Llama-3-like tokenizer that adds <|begin_of_text|> to every encoding (unless
+    add_special_tokens=False) and a chat template that writes it too."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, processors, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
     corpus = ["def f(x):\n    return x * 2\n", "I WANT TO ANSWER:", "What is the value? I don't know.",
               "The message starts with 'Hello'.", "A score of 70 or more gets the label 'pass'."] * 20
-    tk.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<|im_start|>", "<|im_end|>"],
+    specials = ["<pad>", "<|im_start|>", "<|im_end|>"] + (["<|begin_of_text|>"] if bos else [])
+    tk.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<pad>", bos_token=None)
-    tok.chat_template = CHATML
+    if bos:
+        tk.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B",
+                                                          special_tokens=[("<|begin_of_text|>", tk.token_to_id("<|begin_of_text|>"))])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<pad>",
+                                  bos_token="<|begin_of_text|>" if bos else None)
+    tok.chat_template = ("{{ bos_token }}" if bos else "") + CHATML
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
                       tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg)
     model.generation_config.eos_token_id = tok.eos_token_id

@@ -10,7 +10,7 @@ import colbench
 import sandbox
 import evaluate
 import generate_tasks
-import label_turns
+import credit
 import rollout
 from conftest import run_script
 
@@ -92,9 +92,9 @@ def test_credit_accuracy_counts_ties_half():
               {"classes": ["good", "good"], "advantages_by_critic": {"a": [0.0, 1.0], "u": [0.0, 0.0]}},  # no mixed pair
               {"classes": ["bad", "good"], "advantages_by_critic": {"a": [0.0, 0.5], "u": [0.0, 0.0]}},
               {"candidates": ["x"]}]  # a state without classes (not a procedural task)
-    assert label_turns.credit_accuracy(states, "a") == (pytest.approx(2 / 3), 3)
-    assert label_turns.credit_accuracy(states, "u") == (0.5, 3)
-    assert label_turns.credit_accuracy(states, "missing") == (None, 0)
+    assert credit.credit_accuracy(states, "a") == (pytest.approx(2 / 3), 3)
+    assert credit.credit_accuracy(states, "u") == (0.5, 3)
+    assert credit.credit_accuracy(states, "missing") == (None, 0)
 
 
 def test_dpo_pair_classes_judge_each_pair_by_its_state():
@@ -106,7 +106,7 @@ def test_dpo_pair_classes_judge_each_pair_by_its_state():
              {**key, "turn": 0, "chosen": "answer", "rejected": "ask y"},  # both bad
              {**key, "turn": 1, "chosen": "ask x", "rejected": "answer"},  # wrong at turn 1
              {**key, "turn": 2, "chosen": "a", "rejected": "b"}]
-    assert label_turns.dpo_pair_classes(states, pairs) == {"right": 1, "wrong": 1, "same_class": 1}
+    assert credit.dpo_pair_classes(states, pairs) == {"right": 1, "wrong": 1, "same_class": 1}
 
 
 def test_trajectory_pairs_rules():

@@ -13,7 +13,7 @@ import pytest
 from conftest import ROOT, read_jsonl, run_script
 from test_training import write_graded
 
-import common
+import models
 
 
 def free_port():
@@ -147,7 +147,7 @@ def test_rollout_killed_with_sigkill_then_rerun(task_files, tiny_model, simulato
 
 
 def test_label_turns_killed_with_sigkill_then_rerun(tiny_model, tmp_path):
-    tok = common.load_tokenizer(tiny_model)
+    tok = models.load_tokenizer(tiny_model)
     write_graded(tok, tmp_path / "g.jsonl", n_tasks=12)
     run_script("train_critic.py", "--trajectories", tmp_path / "g.jsonl", "--model", tiny_model, "--output_dir",
                tmp_path / "critic", "--lr", "1e-3", "--epochs", "1")
@@ -172,7 +172,7 @@ def test_label_turns_killed_with_sigkill_then_rerun(tiny_model, tmp_path):
 def test_training_killed_with_sigkill_resumes_to_the_same_weights(tiny_model, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
-    tok = common.load_tokenizer(tiny_model)
+    tok = models.load_tokenizer(tiny_model)
     write_graded(tok, tmp_path / "g.jsonl", n_tasks=12)
     args = lambda out, *extra: ["train_dpo.py", "--mode", "sft", "--trajectories", tmp_path / "g.jsonl", "--model",
                                 tiny_model, "--output_dir", out, "--lr", "1e-3", "--epochs", "3", "--batch_size", "1",

@@ -7,15 +7,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import common
+import models
 from conftest import ROOT, read_jsonl
 from test_training import write_graded
 
 
-def launch(nproc, script, *args):
+def launch(nproc, script, *args, timeout=600):
     cmd = [sys.executable, str(ROOT / script), *map(str, args)] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(ROOT / script), *map(str, args)]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=timeout)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
 
 
@@ -46,7 +46,7 @@ def kill_tree(pid):
     ("train_dpo.py", ["--mode", "trajectory", "--epochs", "2"]),
 ])
 def test_two_processes_match_one(tiny_model, tmp_path, script, extra):
-    tok = common.load_tokenizer(tiny_model)
+    tok = models.load_tokenizer(tiny_model)
     write_graded(tok, tmp_path / "g.jsonl", n_tasks=4)
     runs = {}
     for n in (1, 2):
@@ -69,14 +69,31 @@ def test_two_processes_match_one(tiny_model, tmp_path, script, extra):
         assert not torch.allclose(base(ids).logits, l2, atol=1e-4)  # the FSDP checkpoint holds the trained weights
 
 
+def test_ranks_with_uneven_work_stay_in_lock_step(tiny_model, tmp_path):
+    """3 tasks on 2 ranks: one rank has a task (3 forwards: shared prefix + 2 trajectories) where the
+    other has none, in the reference log-probs and in the step. Every forward is announced to the
+    other ranks (common.count_forwards), so none waits in a collective the others never reach (this
+    hung before), and the run matches one process."""
+    tok = models.load_tokenizer(tiny_model)
+    write_graded(tok, tmp_path / "g.jsonl", n_tasks=3)
+    logs = []
+    for n in (1, 2):
+        launch(n, "train_critic.py", "--trajectories", tmp_path / "g.jsonl", "--model", tiny_model, "--output_dir",
+               tmp_path / f"out{n}", "--lr", "1e-3", "--batch_size", "4", "--epochs", "2", "--heldout_fraction", "0",
+               timeout=180)
+        logs.append(read_jsonl(tmp_path / f"out{n}" / "log.jsonl"))
+    assert len(logs[0]) == len(logs[1]) == 2
+    assert [r["loss"] for r in logs[1]] == pytest.approx([r["loss"] for r in logs[0]], abs=1e-5)
+
+
 def test_shared_prompt_dpo_two_processes_match_one(tiny_model, tmp_path):
     """Turn-level DPO with the prompt run once per pair (a KV cache under FSDP2) matches one process."""
     import json
     import colbench
-    tok = common.load_tokenizer(tiny_model)
+    tok = models.load_tokenizer(tiny_model)
     pairs = []
     for i in range(4):
-        prompt = common.render_prompt(tok, colbench.agent_messages({}, [{"role": "user", "content": f"Write f{i}(x)."}]))
+        prompt = models.render_prompt(tok, colbench.agent_messages({}, [{"role": "user", "content": f"Write f{i}(x)."}]))
         pairs.append({"prompt": prompt, "chosen": f"What should f{i} return?", "rejected": f"I WANT TO ANSWER: def f{i}(x): return {i}"})
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
     logs = []
@@ -94,7 +111,7 @@ def test_two_processes_killed_and_resumed_match_one_uninterrupted(tiny_model, tm
     relaunched with --resume ends where one uninterrupted process does."""
     import json
     import time
-    tok = common.load_tokenizer(tiny_model)
+    tok = models.load_tokenizer(tiny_model)
     write_graded(tok, tmp_path / "g.jsonl", n_tasks=8)
     args = lambda out: ["--mode", "trajectory", "--trajectories", tmp_path / "g.jsonl", "--model", tiny_model,
                         "--output_dir", out, "--lr", "1e-3", "--batch_size", "2", "--epochs", "2", "--save_every", "1"]

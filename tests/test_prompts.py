@@ -8,7 +8,7 @@ import threading
 import pytest
 
 import colbench
-import common
+import models
 import simulator
 from conftest import ROOT, read_jsonl, run_script
 
@@ -65,12 +65,12 @@ def test_rollout_with_released_names_end_to_end(task_files, tiny_model, tmp_path
         server.shutdown()
     run_script("evaluate.py", "--input", tmp_path / "o.jsonl", "--output", tmp_path / "g.jsonl", "--summary", tmp_path / "s.json")
     assert json.loads((tmp_path / "s.json").read_text())["success_rate"] == 1.0
-    tok = common.load_tokenizer(tiny_model)
+    tok = models.load_tokenizer(tiny_model)
     for r in read_jsonl(tmp_path / "g.jsonl"):
         said = " ".join(m["content"] for m in r["dialogue_history"] if m["role"] == "user")
         assert all(fact in said for fact in r["task"]["hidden_information"].splitlines())
         first = next(m for m in r["dialogue_history"] if m["role"] == "assistant")
-        assert first["input"] == common.render_prompt(tok, [{"role": "system", "content": AGENT},
+        assert first["input"] == models.render_prompt(tok, [{"role": "system", "content": AGENT},
                                                             {"role": "user", "content": r["task"]["problem_description"]}])
     settings = json.loads((tmp_path / "o.jsonl.run_settings.json").read_text())
     assert settings["prompt_dir"] == str(d)

@@ -5,6 +5,7 @@ import pytest
 
 import colbench
 import common
+import models
 from conftest import read_jsonl, run_script
 
 
@@ -59,11 +60,11 @@ def test_kv_cache_reuse_across_turns_changes_nothing(tiny_model, task_files, sim
     a, b = read_jsonl(tmp_path / "reuse.jsonl"), read_jsonl(tmp_path / "plain.jsonl")
     key = lambda r: (r["task_id"], r["sample"])
     assert sorted(a, key=key) == sorted(b, key=key) and sum(r["num_turns"] for r in a) > len(a)
-    sampler = common.HFSampler(tiny_model, 0.0, 1.0, 6, reuse_cache=True)
-    plain = common.HFSampler(tiny_model, 0.0, 1.0, 6)
+    sampler = models.HFSampler(tiny_model, 0.0, 1.0, 6, reuse_cache=True)
+    plain = models.HFSampler(tiny_model, 0.0, 1.0, 6)
     dialogues = [[{"role": "user", "content": "Write f(x)."}], [{"role": "user", "content": "Write a longer g(x, y) please."}]]
     for turn in range(3):
-        prompts = [common.render_prompt(sampler.tok, colbench.agent_messages({}, d)) for d in dialogues]
+        prompts = [models.render_prompt(sampler.tok, colbench.agent_messages({}, d)) for d in dialogues]
         keys = [f"d{i}/{turn}" for i in range(2)]
         before = dict(sampler.prompt_tokens)
         out = sampler.generate(prompts, keys)
@@ -136,13 +137,10 @@ def test_evaluate_accepts_released_schema_without_ids(tmp_path, task_files):
         __import__("evaluate").load_trajectories(tmp_path / "bad.jsonl")
 
 
-def test_openai_agent_gets_one_seed_per_request(task_files, simulator_url, tmp_path, tiny_model):
-    """A server that seeds each request on its own, as vLLM does: K samples of a task must differ, and
-    the same command must give the same dialogues."""
-    import random
+def completions_server(answer):
+    """A local /v1/completions server on a free port: answer(request JSON) -> the completion text."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-    seeds = []
 
     class VLLMLike(BaseHTTPRequestHandler):
         def log_message(self, *a):
@@ -160,12 +158,24 @@ def test_openai_agent_gets_one_seed_per_request(task_files, simulator_url, tmp_p
 
         def do_POST(self):
             req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            seeds.append(req.get("seed"))
-            rng = random.Random(req.get("seed"))  # same seed, same text; no seed: random
-            self.reply({"choices": [{"text": " ".join(rng.choice(["what", "is", "the", "rule", "?"]) for _ in range(6))}]})
+            self.reply({"choices": [{"text": answer(req)}]})
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), VLLMLike)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_openai_agent_gets_one_seed_per_request(task_files, simulator_url, tmp_path, tiny_model):
+    """A server that seeds each request on its own, as vLLM does: K samples of a task must differ, and
+    the same command must give the same dialogues."""
+    import random
+    seeds = []
+
+    def answer(req):
+        seeds.append(req.get("seed"))
+        rng = random.Random(req.get("seed"))  # same seed, same text; no seed: random
+        return " ".join(rng.choice(["what", "is", "the", "rule", "?"]) for _ in range(6))
+    server = completions_server(answer)
     train, _ = task_files
     args = ["--agent_backend", "openai", "--agent_url", f"http://127.0.0.1:{server.server_address[1]}", "--agent_model",
             tiny_model, "--num_tasks", "2", "--samples", "3", "--max_turns", "2", "--temperature", "1.0"]
@@ -187,7 +197,7 @@ def test_decoding_drops_finished_rows_and_equals_generate(tiny_model):
     generate gives, greedy, on a left-padded batch where rows end at different steps; and a step
     runs only the rows still decoding; repeated prompts share one prefill."""
     import torch
-    sampler = common.HFSampler(tiny_model, 0.0, 1.0, 8)
+    sampler = models.HFSampler(tiny_model, 0.0, 1.0, 8)
     batch = sampler.tok(["Write f(x).", "Write a much longer g(x, y) for me, please, with care.", "Hi"],
                         return_tensors="pt", padding=True, add_special_tokens=False)
     free, _ = sampler._generate(batch["input_ids"], batch["attention_mask"])
@@ -206,5 +216,72 @@ def test_decoding_drops_finished_rows_and_equals_generate(tiny_model):
     prompts = ["Hi", "Write f(x).", "Hi", "Hi"]
     assert sampler.generate(prompts) == [sampler.generate([p])[0] for p in prompts]
     torch.manual_seed(0)
-    hot = common.HFSampler(tiny_model, 1.0, 0.5, 8)
+    hot = models.HFSampler(tiny_model, 1.0, 0.5, 8)
     assert len(hot.generate(["Write f(x).", "Hi"])) == 2
+
+
+@pytest.fixture(scope="module")
+def bos_model(tmp_path_factory):
+    from conftest import build_tiny_model
+    return build_tiny_model(tmp_path_factory.mktemp("bos_model"), bos=True)
+
+
+def test_openai_agent_sends_one_bos(task_files, simulator_url, tmp_path, bos_model):
+    """A chat template that writes BOS (Llama-3's) and a server that, as vLLM's /v1/completions does,
+    adds special tokens to a string prompt: the agent must send token ids, so the model sees exactly
+    one BOS, and the stored `input` re-tokenises to exactly the ids the server fed its model."""
+    tok = models.load_tokenizer(bos_model)
+    fed = []  # the token ids the server would feed its model
+
+    def answer(req):
+        p = req["prompt"]
+        fed.append(p if isinstance(p, list) else tok(p)["input_ids"])  # a string gets special tokens added
+        return "What is the rule?"
+    server = completions_server(answer)
+    train, _ = task_files
+    rollout(train, tmp_path / "r.jsonl", simulator_url, "--agent_backend", "openai", "--agent_url",
+            f"http://127.0.0.1:{server.server_address[1]}", "--agent_model", bos_model, "--num_tasks", "2", "--max_turns", "2")
+    server.shutdown()
+    inputs = [m["input"] for r in read_jsonl(tmp_path / "r.jsonl") for m in r["dialogue_history"] if m["role"] == "assistant"]
+    assert len(fed) == len(inputs) == 4
+    assert all(ids.count(tok.bos_token_id) == 1 and ids[0] == tok.bos_token_id for ids in fed)
+    assert sorted(fed) == sorted(tok(x, add_special_tokens=False)["input_ids"] for x in inputs)
+    assert all(tok(x)["input_ids"].count(tok.bos_token_id) == 2 for x in inputs)  # what a string prompt would have given
+    assert models.token_prompts(tok, inputs) == [{"prompt_token_ids": tok(x, add_special_tokens=False)["input_ids"]}
+                                                   for x in inputs]  # the vllm backend's requests: ids too
+
+
+def test_vllm_engine_of_rank_3_of_4_takes_its_own_gpu():
+    """Under torchrun each rank's vLLM engine gets its own GPU (set before CUDA initialises), a world of
+    one process, and max_model_len from --max_len; decided without a GPU or vLLM."""
+    torchrun = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "29500"}
+    gpu, hide, kw = models.vllm_engine("meta-llama/Llama-3.1-8B-Instruct", 7, 16384, 0.5, env=dict(torchrun))
+    assert gpu == {"CUDA_VISIBLE_DEVICES": "3"}
+    assert set(hide) == set(torchrun)  # vLLM must not join torchrun's world
+    assert kw == {"model": "meta-llama/Llama-3.1-8B-Instruct", "seed": 7, "max_model_len": 16384,
+                  "gpu_memory_utilization": 0.5, "tensor_parallel_size": 1}
+    env = {**torchrun, "CUDA_VISIBLE_DEVICES": "4,5,6,7"}  # a job given GPUs 4-7: rank 3 takes the fourth
+    models.pin_gpu(env)
+    assert env["CUDA_VISIBLE_DEVICES"] == "7" and env["SWEETRL_GPU_PINNED"] == "1"
+    models.pin_gpu(env)  # pinning twice changes nothing
+    assert env["CUDA_VISIBLE_DEVICES"] == "7"
+    assert models.vllm_engine("m", 0, 8, 0.5, env=env)[0] == {}
+    assert models.rank_gpu({}) == {}  # one plain process: nothing to pin
+    with pytest.raises(RuntimeError, match="names 2 GPUs"):
+        models.rank_gpu({**torchrun, "CUDA_VISIBLE_DEVICES": "0,1"})
+
+
+def test_sampler_sub_batches_bound_memory_and_change_nothing(tiny_model):
+    """HFSampler with a small max_batch_tokens samples in several sub-batches (each at most that many
+    rows x (prompt + new tokens)) and, greedy, gives what one batch gives."""
+    tok = models.load_tokenizer(tiny_model)
+    prompts = [models.render_prompt(tok, [{"role": "user", "content": q}]) for q in
+               ["What is the value?", "I don't know.", "A score of 70 or more gets the label 'pass'."] for _ in range(3)]
+    one = models.HFSampler(tiny_model, 0.0, 1.0, 6)
+    small = models.HFSampler(tiny_model, 0.0, 1.0, 6, max_batch_tokens=80)
+    parts = small.sub_batches(prompts)
+    longest = lambda part: max(len(tok(p, add_special_tokens=False)["input_ids"]) for p in part) + 6
+    assert len(parts) > 2 and sum(parts, []) == prompts
+    assert all(len(part) * longest(part) <= 80 or len(part) == 1 for part in parts)
+    assert small.generate(prompts) == one.generate(prompts)

@@ -75,7 +75,9 @@ def read(path):
 
 def test_run_sh_on_colbench_files_uses_released_settings(tiny_model, tmp_path):
     """TRAIN_TASKS / TEST_TASKS: ColBench-format files replace the procedural tasks, and the settings
-    not given take the released values. PROMPT_DIR: both the agent and the scripted human use its templates."""
+    not given take the released values. PROMPT_DIR: both the agent and the scripted human use its templates.
+    The at-scale shape, on 2 CPU processes: a non-embedded MODEL with NPROC=2 samples rollouts and
+    candidates in torchrun shards that run.sh merges, and trains with activation checkpointing under FSDP2."""
     from test_prompts import AGENT, write_templates
     tasks = [{"problem_description": f"Write add{i}(x). The signature is def add{i}(x)", "hidden_information": f"Add {i}.",
               "ground_truth": f"def add{i}(x):\n    return x + {i}\n", "test_cases": {"a": f"add{i}(1)", "b": f"add{i}(5)"}}
@@ -85,13 +87,21 @@ def test_run_sh_on_colbench_files_uses_released_settings(tiny_model, tmp_path):
     env = {**os.environ, "SETUP": "0", "PY": sys.executable, "RUN": str(tmp_path / "run"), "MODEL": tiny_model,
            "TRAIN_TASKS": str(tmp_path / "train.jsonl"), "TEST_TASKS": str(tmp_path / "test.jsonl"), "SAMPLES": "1",
            "ORACLE_SAMPLES": "1", "CANDIDATES": "2", "DATA_FRACTION": "1.0", "MAX_TURNS": "2", "MAX_NEW_TOKENS": "8",
-           "CRITIC_EPOCHS": "1", "LR_CRITIC": "1e-3", "OMP_NUM_THREADS": "1",
+           "CRITIC_EPOCHS": "1", "LR_CRITIC": "1e-3", "OMP_NUM_THREADS": "1", "NPROC": "2",
            "PROMPT_DIR": str(write_templates(tmp_path / "prompts"))}
     p = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     for setting in ("TEMPERATURE=1.0", "TOP_P=1.0", "PAIRS_PER_STATE=4", "LR_DPO=2e-7", "WARMUP=0", "TRAIN_LAYERS=0",
-                    "CREDIT_VARIANTS=0", "MAX_NEW_TOKENS=8", "CANDIDATES=2"):  # released defaults; what is set wins
+                    "CREDIT_VARIANTS=0", "MAX_NEW_TOKENS=8", "CANDIDATES=2", "GRAD_CKPT=1"):  # released defaults; what is set wins
         assert f"  {setting}\n" in p.stdout, setting
+    run = tmp_path / "run"
+    for out in ("test_zero_shot.jsonl", "pairs.jsonl", "pairs.jsonl.states.jsonl"):  # the shards, merged in order
+        shards = [run / f"{out.replace('.states.jsonl', '')}.shard-{i}-of-2{'.states.jsonl' if 'states' in out else ''}"
+                  for i in range(2)]
+        assert all(f.exists() for f in shards) and (run / out).read_text() == "".join(f.read_text() for f in shards), out
+    assert len(read(run / "train_rollouts.jsonl")) == 6  # 3 tasks x (1 sample + 1 oracle)
+    assert "grad_ckpt" in json.loads((run / "policy_sweet" / "run_settings.json").read_text()) and \
+        json.loads((run / "critic" / "run_settings.json").read_text())["grad_ckpt"] is True
     assert [t["ground_truth"] for t in read(tmp_path / "run" / "train_tasks.jsonl")] == [t["ground_truth"] for t in tasks[:3]]
     res = json.loads((tmp_path / "run" / "results.json").read_text())
     assert res["num_test_tasks"] == 2 and set(res["methods"]) == {"zero_shot", "sweet_rl"}

@@ -130,3 +130,47 @@ def test_hf_backend_serves_chat_and_completions_for_the_openai_agent(tiny_model,
                                       for r in rows for m in r["dialogue_history"] if m["role"] == "assistant")
     finally:
         p.kill()
+
+
+def test_official_openai_client_streams_and_gets_usage(simulator_url):
+    """simulator.py as a user's own tools see it: the official `openai` client lists models, gets a
+    reply with usage, and with stream=True gets the same reply as server-sent events (not an empty one)."""
+    import openai
+    client = openai.OpenAI(base_url=simulator_url + "/v1", api_key="none", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["scripted-human"]
+    dialogue = [{"role": "user", "content": TASK["problem_description"]},
+                {"role": "assistant", "content": "What score gets the label gold?"}]
+    messages = colbench.human_messages(TASK, dialogue)
+    reply = client.chat.completions.create(model="scripted-human", messages=messages, temperature=0)
+    text = reply.choices[0].message.content
+    assert "62" in text and reply.choices[0].finish_reason == "stop"
+    assert reply.usage.prompt_tokens > 20 and reply.usage.completion_tokens > 3
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    chunks = list(client.chat.completions.create(model="scripted-human", messages=messages, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.total_tokens == reply.usage.total_tokens
+
+
+def test_4xx_is_one_line_quoting_the_server(simulator_url, task_files, tiny_model, tmp_path):
+    """A request the server refuses (here /v1/completions, which the scripted human does not serve) is
+    one ServerError line that quotes the server's message, at once (no retries), and a stage turns it
+    into `error: ...` without a traceback."""
+    import subprocess
+    import sys
+    import time
+    from conftest import ROOT
+    client = common.ChatClient(simulator_url, retry_time=60)
+    t0 = time.monotonic()
+    with pytest.raises(common.RequestRefused, match=r"HTTP 400: bad request: the scripted backend serves only "
+                                                    r"/v1/chat/completions") as e:
+        client.complete("hello")
+    assert e.value.status == 400 and "\n" not in str(e.value) and time.monotonic() - t0 < 5
+    train, _ = task_files  # rollout with the scripted human as its (refusing) agent server
+    p = subprocess.run([sys.executable, "rollout.py", "--tasks", str(train), "--output", str(tmp_path / "r.jsonl"),
+                        "--num_tasks", "1", "--agent_backend", "openai", "--agent_url", simulator_url,
+                        "--agent_model", tiny_model, "--simulator_url", simulator_url],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert p.stderr.strip().splitlines()[-1].startswith("error: POST ") and "HTTP 400: bad request" in p.stderr

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 import colbench
 import common
+import models
 import label_turns
 import train_critic
 import train_dpo
@@ -19,7 +20,7 @@ def make_traj(tok, task, outputs, replies, reward, sample=0):
     """A trajectory in the released schema, with inputs rendered exactly as rollout.py renders them."""
     dialogue = [{"role": "user", "content": task["problem_description"]}]
     for out, reply in zip(outputs, replies + [None]):
-        inp = common.render_prompt(tok, colbench.agent_messages(task, dialogue))
+        inp = models.render_prompt(tok, colbench.agent_messages(task, dialogue))
         dialogue.append({"role": "assistant", "content": out, "input": inp, "output": out})
         if reply is not None:
             dialogue.append({"role": "user", "content": reply})
@@ -33,7 +34,7 @@ TASK = {"task_id": "t0", "problem_description": "Write f. The signature of the f
 
 @pytest.fixture(scope="module")
 def tok_model(tiny_model):
-    tok = common.load_tokenizer(tiny_model)
+    tok = models.load_tokenizer(tiny_model)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="eager").eval()
     return tok, model
 
@@ -115,7 +116,7 @@ def test_label_turns_advantage_equals_critic_score(tok_model, tiny_model, tmp_pa
     with torch.no_grad():
         for p in critic.parameters():
             p.add_(0.02 * torch.randn_like(p))
-    prompt = common.render_prompt(tok, colbench.agent_messages(TASK, [{"role": "user", "content": TASK["problem_description"]}]))
+    prompt = models.render_prompt(tok, colbench.agent_messages(TASK, [{"role": "user", "content": TASK["problem_description"]}]))
     cands = ["What is the factor?", "I WANT TO ANSWER: def f(x): return x * 2", "ok"]
     prefix = train_critic.training_info(TASK)
     p_ids, c_ids = common.encode_shared(tok, prefix, prompt, cands, 4096)
@@ -134,7 +135,7 @@ def test_label_turns_advantage_equals_critic_score(tok_model, tiny_model, tmp_pa
 
 def test_prefix_reuse_scoring_equals_naive(tok_model):
     tok, model = tok_model
-    prompt = common.render_prompt(tok, colbench.agent_messages(TASK, [{"role": "user", "content": TASK["problem_description"]}]))
+    prompt = models.render_prompt(tok, colbench.agent_messages(TASK, [{"role": "user", "content": TASK["problem_description"]}]))
     cands = ["What is the factor?", "I WANT TO ANSWER: def f(x): return x * 2", "?", "Tell me more about x please"]
     prefix = train_critic.training_info(TASK)
     p_ids, c_ids = common.encode_shared(tok, prefix, prompt, cands, 4096)
@@ -143,13 +144,17 @@ def test_prefix_reuse_scoring_equals_naive(tok_model):
         for c, f, k in zip(cands, fast, counts):
             s, n = common.turn_logprobs(model, common.tokenize_turns(tok, [(prompt, c)], prefix), 1)
             assert f.item() == pytest.approx(s.item(), abs=1e-4) and k.item() == n.item()
+        # label_turns --max_batch_tokens: the same scores in batches of one or two rows
+        for budget in (1, 2 * (len(p_ids) + max(map(len, c_ids)))):
+            bounded, _ = common.shared_prompt_logprobs(model, p_ids, c_ids, max_tokens=budget)
+            assert torch.allclose(bounded, fast, atol=1e-4)
 
 
 def test_dpo_reference_logprobs_of_a_state_equal_each_pair_alone(tok_model):
     """train_dpo groups the pairs of one state (same prompt) and scores each distinct turn once; every
     pair's (chosen, rejected) reference log-probs equal scoring that pair alone."""
     tok, model = tok_model
-    prompts = [common.render_prompt(tok, colbench.agent_messages(TASK, [{"role": "user", "content": d}]))
+    prompts = [models.render_prompt(tok, colbench.agent_messages(TASK, [{"role": "user", "content": d}]))
                for d in (TASK["problem_description"], "Write g instead.")]
     turns = ["What is the factor?", "I WANT TO ANSWER: def f(x): return x * 2", "?", "Tell me more"]
     pairs = [(0, 0, 1), (1, 2, 3), (0, 0, 2), (0, 3, 1), (1, 0, 3), (0, 2, 1)]  # (prompt, chosen, rejected)
@@ -168,7 +173,7 @@ def test_shared_prompt_dpo_gradients_equal_two_passes(tok_model):
     """The DPO loss of a pair, with the prompt run once (KV cache, gradients through it) and with
     prompt + turn run twice: loss and every parameter's gradient agree within 1e-4."""
     tok, model = tok_model
-    prompt = common.render_prompt(tok, colbench.agent_messages(TASK, [{"role": "user", "content": TASK["problem_description"]}]))
+    prompt = models.render_prompt(tok, colbench.agent_messages(TASK, [{"role": "user", "content": TASK["problem_description"]}]))
     chosen, rejected = "What is the factor?", "I WANT TO ANSWER: def f(x): return x * 2"
     ref = torch.tensor([-30.0, -45.0])
 
@@ -265,7 +270,7 @@ def write_graded(tok, path, n_tasks=6):
 
 
 def test_critic_learns_a_separable_toy_set(tiny_model, tmp_path):
-    tok = common.load_tokenizer(tiny_model)
+    tok = models.load_tokenizer(tiny_model)
     write_graded(tok, tmp_path / "g.jsonl")
     run_script("train_critic.py", "--trajectories", tmp_path / "g.jsonl", "--model", tiny_model, "--output_dir",
                tmp_path / "critic", "--lr", "3e-3", "--epochs", "6", "--batch_size", "4", "--heldout_fraction", "0.2",
@@ -298,7 +303,7 @@ def test_critic_learns_a_separable_toy_set(tiny_model, tmp_path):
 
 
 def test_label_turns_then_dpo_modes(tiny_model, tmp_path):
-    tok = common.load_tokenizer(tiny_model)
+    tok = models.load_tokenizer(tiny_model)
     write_graded(tok, tmp_path / "g.jsonl", n_tasks=3)
     run_script("train_critic.py", "--trajectories", tmp_path / "g.jsonl", "--model", tiny_model, "--output_dir",
                tmp_path / "critic", "--lr", "1e-3", "--epochs", "1")

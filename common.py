@@ -483,8 +483,7 @@ def shared_prompt_logprobs(model, prompt_ids, conts, chunk=1024, max_tokens=None
     from transformers import DynamicCache
     device = next(model.parameters()).device
     out = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True, logits_to_keep=1)
-    first = token_logprobs(out.logits[0, -1:].expand(len(conts), -1),  # the prompt's last position predicts token 0
-                           torch.tensor([c[0] for c in conts], device=device), chunk)
+    first = torch.log_softmax(out.logits[0, -1].float(), -1)[[c[0] for c in conts]]  # the prompt's last position predicts token 0
     prompt_kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
     del out
     sums = list(first)

@@ -179,21 +179,23 @@ class HFSampler:
     def generate(self, prompts, keys=None):
         if self.reuse and keys:
             return self.generate_reusing(prompts, [k.rsplit("/", 1)[0] for k in keys])
+        unique = list(dict.fromkeys(prompts))  # N samples of one prompt share one prefill; each is tokenised once
+        ids = dict(zip(unique, self.tok(unique, add_special_tokens=False)["input_ids"]))
         new = []
-        for part in self.sub_batches(prompts):
-            row = {p: i for i, p in enumerate(dict.fromkeys(part))}  # N samples of one prompt share one prefill
-            batch = self.tok(list(row), return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+        for part in self.sub_batches(prompts, {p: len(x) for p, x in ids.items()}):
+            row = {p: i for i, p in enumerate(dict.fromkeys(part))}
+            batch = self.tok.pad({"input_ids": [ids[p] for p in row]}, return_tensors="pt").to(self.device)
             expand = self.torch.tensor([row[p] for p in part], device=self.device)
             new += self._generate(batch["input_ids"], batch["attention_mask"], expand=expand)[0]
         return self.tok.batch_decode(new, skip_special_tokens=True)
 
-    def sub_batches(self, prompts):
+    def sub_batches(self, prompts, lengths=None):
         """prompts in consecutive parts of at most max_batch_tokens rows x (longest prompt + max_new_tokens):
         every row of a batch holds a KV cache of that length, so memory stays bounded whatever the number
-        of candidates and the prompt length (a part has at least one row)."""
+        of candidates and the prompt length (a part has at least one row). lengths: prompt -> tokens."""
         parts, part, longest = [], [], 0
         for p in prompts:
-            n = len(self.tok(p, add_special_tokens=False)["input_ids"]) + self.max_new_tokens
+            n = (lengths[p] if lengths else len(self.tok(p, add_special_tokens=False)["input_ids"])) + self.max_new_tokens
             if part and (len(part) + 1) * max(longest, n) > self.max_batch_tokens:
                 parts.append(part)
                 part, longest = [], 0
@@ -300,11 +302,20 @@ class HFSampler:
         return self.tok.batch_decode(new, skip_special_tokens=True)
 
 
-class OpenAISampler:
-    """Raw-prompt completions, so `input` is exactly what the server's model saw: the prompt goes as token
-    ids (a server tokenising a string would add a second BOS). Each request carries its own seed
-    (request_seed of its key): vLLM seeds every request on its own, so one seed for all would make K
-    samples of a prompt identical."""
+class SeededRequests:
+    """What the server-style samplers send: each prompt as token ids (one BOS) with its own seed,
+    request_seed of its key (vLLM seeds every request on its own, so one seed for all would make K
+    samples of a prompt identical)."""
+
+    def requests(self, prompts, keys=None):
+        keys = keys or [f"{hashlib.sha1(p.encode()).hexdigest()[:12]}/{i}" for i, p in enumerate(prompts)]
+        ids = [r["prompt_token_ids"] for r in token_prompts(self.tok, prompts)]
+        return ids, [request_seed(self.seed, k) for k in keys]
+
+
+class OpenAISampler(SeededRequests):
+    """Raw-prompt completions from an OpenAI-compatible server, token ids and a seed per request
+    (SeededRequests), so `input` is exactly what the server's model saw."""
 
     def __init__(self, model, temperature, top_p, max_new_tokens, seed, url, workers=16):
         self.tok, self.seed = load_tokenizer(model), seed
@@ -312,9 +323,8 @@ class OpenAISampler:
         self.client = ChatClient(url, model, workers=workers)
 
     def generate(self, prompts, keys=None):
-        keys = keys or [f"{hashlib.sha1(p.encode()).hexdigest()[:12]}/{i}" for i, p in enumerate(prompts)]
-        ids = [self.tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        return self.client.complete_many(ids, seeds=[request_seed(self.seed, k) for k in keys], **self.kw)
+        ids, seeds = self.requests(prompts, keys)
+        return self.client.complete_many(ids, seeds=seeds, **self.kw)
 
 
 def rank_gpu(env):
@@ -357,7 +367,7 @@ def token_prompts(tok, prompts):
     return [{"prompt_token_ids": tok(p, add_special_tokens=False)["input_ids"]} for p in prompts]
 
 
-class VLLMSampler:
+class VLLMSampler(SeededRequests):
     """vLLM in process (optional: requirements-gpu.txt), with per-request seeds like OpenAISampler and
     token-id prompts (one BOS). Create it before anything touches CUDA (label_turns does): pin_gpu
     gives each torchrun rank its own GPU."""
@@ -375,9 +385,9 @@ class VLLMSampler:
 
     def generate(self, prompts, keys=None):
         from vllm import SamplingParams
-        keys = keys or [f"{hashlib.sha1(p.encode()).hexdigest()[:12]}/{i}" for i, p in enumerate(prompts)]
-        params = [SamplingParams(seed=request_seed(self.seed, k), **self.kw) for k in keys]
-        return [o.outputs[0].text for o in self.llm.generate(token_prompts(self.tok, prompts), params, use_tqdm=False)]
+        ids, seeds = self.requests(prompts, keys)
+        params = [SamplingParams(seed=s, **self.kw) for s in seeds]
+        return [o.outputs[0].text for o in self.llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)]
 
 
 def make_sampler(backend, model, temperature, top_p, max_new_tokens, seed, url="", workers=16,

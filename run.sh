@@ -77,6 +77,7 @@ for v in $KNOWN; do printf '  %s=%s\n' "$v" "${!v-}"; done
 PY=${PY:-.venv/bin/python}
 [ -n "$AGENT_BACKEND" ] || AGENT_BACKEND=$([ "$MODEL" != embedded ] && "$PY" -c 'import importlib.util as u, sys; sys.exit(not u.find_spec("vllm"))' \
   && echo vllm || echo hf)
+echo "  AGENT_BACKEND=$AGENT_BACKEND (in use)"
 mkdir -p "$RUN"
 log() { printf '\n== %s\n' "$*"; }
 train() {  # a training stage; it continues from OUTPUT_DIR/resume when a killed run left one there
@@ -90,7 +91,7 @@ train() {  # a training stage; it continues from OUTPUT_DIR/resume when a killed
 sample() {  # sample OUT SCRIPT ARGS: with NPROC > 1, NPROC ranks (torchrun) each sample their shard of the work on their
             # own GPU, then OUT (and label_turns' OUT.states.jsonl) = the shards in order; else one process
   local out=$1 i part suffix; shift
-  if [ "$NPROC" -le 1 ] || [[ " $* " = *" --agent_backend oracle "* ]]; then "$PY" "$@"; return; fi
+  if [ "$NPROC" -le 1 ]; then "$PY" "$@"; return; fi
   "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" "$@"
   for suffix in "" .states.jsonl; do
     part=(); for ((i = 0; i < NPROC; i++)); do [ -f "$out.shard-$i-of-$NPROC$suffix" ] && part+=("$out.shard-$i-of-$NPROC$suffix"); done

@@ -101,6 +101,12 @@ HUMAN_PROMPT = {
              "You will see up to two images: the assistant's page rendered (if it showed one) and the page you want. "
              "Describe the most outstanding concrete differences between them (background and text colours, layout, "
              "alignment, missing or extra sections, sizes) in at most three sentences. Never write code."),
+    # ours: procedural pages with hidden design facts (the human also holds them as text)
+    "html_facts": ("You are a person who asked an assistant to design a web page: {problem_description}\n\n"
+                   "HIDDEN INFORMATION (only you know it):\n{hidden_information}\nEND HIDDEN INFORMATION\n\n"
+                   "If the assistant shows you its page (the first image), name the single most important hidden fact "
+                   "it gets wrong. Otherwise answer its last message using only the hidden information, in at most two "
+                   "sentences, or say you don't know. Never reveal more than asked. Never write code."),
 }
 
 
@@ -174,7 +180,8 @@ def human_messages(task, dialogue, task_type="code", agent_image=None, target_im
         text = prompts["human"].format(problem_description=task["problem_description"],
                                        hidden_information=task["hidden_information"], dialogue_history=transcript(dialogue))
         return [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": text}]
-    system = prompts["human"] if prompts else HUMAN_PROMPT[task_type].format(**task)
+    facts = task_type == "html" and task.get("hidden_information")  # a procedural page with hidden design facts
+    system = prompts["human"] if prompts else HUMAN_PROMPT["html_facts" if facts else task_type].format(**task)
     if task_type == "html":
         content = [{"type": "text", "text": dialogue[-1]["content"][-2000:]}]
         if agent_image is not None:
@@ -274,6 +281,68 @@ def turn_class(task, dialogue, turn, last_turn=False, grade=None):
     return "good" if new else "bad"
 
 
+# ----------------------------------------------------------------------------------------------
+# Procedural frontend pages with hidden design facts (ours; generate_tasks.py). Each fact is one
+# sentence; the description states some, hidden_information the others, one a line. The scripted
+# human answers a text question with the hidden lines it matches (as on code) and a shown draft with
+# the most important hidden fact it gets wrong, read from the draft's pixels (render.design_features).
+# ----------------------------------------------------------------------------------------------
+HUES = ("red", "yellow", "green", "blue", "purple", "pink", "gray")
+DESIGN_FACTS = {  # key -> (sentence, values), in the order the human ranks a draft's differences
+    "background": ("The page background is {}.", ("white", "dark")),
+    "header": ("The header is {}.", HUES),
+    "boxes": ("There are {} boxes in a row.", ("2", "3", "4")),
+    "footer": ("The footer is {}.", HUES),
+    "title": ("The title is aligned to the {}.", ("left", "center", "right")),
+}
+
+
+def design_fact(key, value):
+    return DESIGN_FACTS[key][0].format(value)
+
+
+def parse_design_fact(line):
+    """(key, value) of a design-fact sentence, or None."""
+    for key, (sentence, values) in DESIGN_FACTS.items():
+        m = re.fullmatch(re.escape(sentence).replace(r"\{\}", "(\\w+)"), line.strip())
+        if m and m.group(1) in values:
+            return key, m.group(1)
+    return None
+
+
+def design_of(task):
+    """{key: value} of every design fact a procedural page states (description and hidden lines);
+    empty for other frontend tasks."""
+    text = task.get("problem_description", "") + "\n" + task.get("hidden_information", "")
+    return dict(filter(None, map(parse_design_fact, re.split(r"(?<=\.)\s+|\n", text))))
+
+
+def design_mismatches(design, features):
+    """The keys of `design` (in DESIGN_FACTS order) that a render's features (render.design_features) get wrong."""
+    return [k for k in DESIGN_FACTS if k in design and features.get(k) != design[k]]
+
+
+def draft_reply(hidden, features):
+    """The scripted human's reply to a shown draft: the most important hidden fact the draft gets wrong,
+    quoted; never more than one."""
+    facts = dict(filter(None, map(parse_design_fact, hidden.splitlines())))
+    wrong = design_mismatches(facts, features)
+    return f"Not quite. {design_fact(wrong[0], facts[wrong[0]])}" if wrong else "Yes, that is what I have in mind."
+
+
+def design_turn_class(task, dialogue, turn, last_turn, features_of):
+    """Ground-truth credit of a candidate turn on a procedural page (features_of(html) -> the render's
+    design features): an answer is good when its page matches every design fact; a question or a shown
+    draft is good when the human's reply reveals a hidden fact not yet revealed."""
+    page = extract_html(turn.split(ANSWER_MARKER, 1)[-1])
+    if ANSWER_MARKER in turn or last_turn:
+        return "good" if page and not design_mismatches(design_of(task), features_of(page)) else "bad"
+    reply = draft_reply(task["hidden_information"], features_of(page)) if page else \
+        scripted_reply(task["hidden_information"], turn)
+    new = {f for f in hidden_facts(task) if f in reply} - revealed_facts(task, dialogue)
+    return "good" if new else "bad"
+
+
 def parse_hidden_information(system_prompt):
     """Inverse of HUMAN_PROMPT for the scripted simulator: the hidden lines, or None."""
     m = re.search(r"HIDDEN INFORMATION \(only you know it\):\n(.*?)\nEND HIDDEN INFORMATION", system_prompt, re.S)
@@ -328,7 +397,9 @@ def agent_turns(traj):
 def trajectory_pairs(rows, task_type="code", min_gap=0.1):
     """(chosen, rejected) trajectory pairs from graded rollouts, as released. Backend: per task the
     best sample must succeed; every lower-reward sample of that task is a rejected partner.
-    Frontend: every two samples whose rewards (similarities) differ by at least min_gap."""
+    Frontend: every two samples whose rewards (similarities) differ by at least min_gap; and on
+    procedural pages (ours) also an exact design over a lower-similarity sample that is not one
+    (the number of boxes or the title's alignment barely moves a similarity)."""
     by_task = {}
     for r in rows:
         by_task.setdefault(r["task_id"], []).append(r)
@@ -340,7 +411,8 @@ def trajectory_pairs(rows, task_type="code", min_gap=0.1):
             if best.get("success", best["reward"] >= 1.0):
                 pairs += [(best, r) for r in group[1:] if r["reward"] < best["reward"]]
         else:
-            pairs += [(a, b) for i, a in enumerate(group) for b in group[i + 1:] if a["reward"] - b["reward"] >= min_gap]
+            pairs += [(a, b) for i, a in enumerate(group) for b in group[i + 1:] if a["reward"] - b["reward"] >= min_gap
+                      or a["reward"] > b["reward"] and a.get("exact_design") and not b.get("exact_design")]
     return pairs
 
 

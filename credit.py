@@ -1,13 +1,20 @@
 """Turn-credit diagnostics: how well a critic assigns credit to turns, checked against ground truth.
 Apart from label_turns.py's sample -> score -> pair, which only calls in here.
 
-On procedural code tasks the scripted human's facts give every candidate turn a true class
-(colbench.turn_class: a question that reveals an unknown fact, or an answer that passes the tests,
-is good). label_turns stores them in PAIRS.states.jsonl with every critic's advantages; here each
+On procedural tasks the scripted human's facts give every candidate turn a true class: on code
+(colbench.turn_class) a question that reveals an unknown fact, or an answer that passes the tests,
+is good; on frontend pages (colbench.design_turn_class) a question or a shown draft that reveals an
+unknown design fact, or an answer whose render matches every design fact. label_turns stores them in PAIRS.states.jsonl with every critic's advantages; here each
 critic is scored on every two candidates of a state whose classes differ (turn-credit accuracy), and
 the DPO pairs are counted as the true classes call them: right, wrong, or same class.
 
     python credit.py --pairs runs/default/pairs.jsonl   # report again, e.g. after `cat` of shard files
+    python credit.py --pairs runs/default/pairs.jsonl --trajectories runs/default/train_graded.jsonl \
+        --critics lr1e-4=runs/critic_lr1e-4,sweet=runs/default/critic   # score the stored candidates anew
+
+With --critics, each critic (a train_critic.py output, e.g. of an edited critic variant) scores the
+candidates already in the states file, so variants are compared on identical turns without sampling
+again; the accuracies go to PAIRS.credit_rescored.json and the states file is left as it is.
 
 Deviations from the paper: none to speak of, as the paper has no such diagnostic; it measures a
 critic only by the policy it trains. True classes need the procedural tasks' scripted facts, so
@@ -29,18 +36,42 @@ import sandbox
 class Args:
     pairs: str = ""
     """label_turns.py's PAIRS JSONL (PAIRS.states.jsonl beside it); writes PAIRS.credit.json"""
+    critics: str = ""
+    """NAME=DIR,...: critics that score the stored candidates anew (needs --trajectories)"""
+    trajectories: str = ""
+    """with --critics: the graded trajectories label_turns.py read (the states' prompts and tasks)"""
+    max_len: int = 16384
+    """with --critics: longest prompt + candidate, as label_turns.py's --max_len"""
+    max_batch_tokens: int = 65536
+    """with --critics: scoring sub-batches, as label_turns.py's --max_batch_tokens"""
 
 
 class TrueClasses:
     """Every candidate turn's true class, grading answers against the ground truth's results (run once
-    per task, in the sandbox)."""
+    per task, in the sandbox); on procedural pages, from the design features of each page's render."""
 
     def __init__(self, max_turns):
-        self.max_turns, self.gt_results = max_turns, {}
+        self.max_turns, self.gt_results, self.pool, self.features = max_turns, {}, None, {}
+
+    def page_features(self, html):
+        """render.design_features of a page's render (one headless browser, started on first use; cached)."""
+        if html not in self.features:
+            import render
+            self.pool = self.pool or render.RenderPool(1)
+            self.features[html] = render.design_features(self.pool.render(html)[0])
+        return self.features[html]
+
+    def close(self):
+        if self.pool is not None:
+            self.pool.close()
 
     def __call__(self, traj, turn, candidates):
         """Every candidate's true class (colbench.turn_class), or None where the task has no scripted facts."""
         task = traj["task"]
+        if task.get("hidden_information") and "test_cases" not in task and colbench.design_of(task):  # a procedural page
+            before = state_dialogue(traj, turn)
+            return [colbench.design_turn_class(task, before, c, turn >= self.max_turns - 1, self.page_features)
+                    for c in candidates]
         if "family" not in task or "test_cases" not in task:
             return None
         if task["task_id"] not in self.gt_results:
@@ -78,6 +109,26 @@ def credit_accuracy(states, name):
     return (hits / n if n else None), n
 
 
+def turn_kind(candidate):
+    """answer (it has the marker), draft (it shows a page) or question."""
+    return "answer" if colbench.ANSWER_MARKER in candidate else "draft" if colbench.extract_html(candidate) else "question"
+
+
+def credit_by_kind(states, name):
+    """credit_accuracy split by what the two candidates are, e.g. 'good answer > bad question' (an informed
+    state: answering beats asking again): {split: [accuracy, pairs]}."""
+    hits = {}
+    for s in states:
+        cls, adv = s.get("classes"), s.get("advantages_by_critic", {}).get(name)
+        if not cls or adv is None:
+            continue
+        for i, j in ((i, j) for i in range(len(cls)) for j in range(len(cls)) if cls[i] == "good" and cls[j] == "bad"):
+            h = hits.setdefault(f"good {turn_kind(s['candidates'][i])} > bad {turn_kind(s['candidates'][j])}", [0.0, 0])
+            h[0] += 1.0 if adv[i] > adv[j] else 0.5 if adv[i] == adv[j] else 0.0
+            h[1] += 1
+    return {k: [round(h / n, 4), n] for k, (h, n) in sorted(hits.items())}
+
+
 def dpo_pair_classes(states, pairs):
     """How the DPO pairs stand against the true classes: right (a good turn chosen over a bad one),
     wrong (bad over good), same_class (the pair says nothing the true classes could check)."""
@@ -106,6 +157,7 @@ def report(out_path, critics=None):
         critics = list(dict.fromkeys(k for s in states for k in s.get("advantages_by_critic", {}) if k != "untrained"))
     for name in [*critics, "untrained"]:
         report["credit_accuracy"][name], report["class_pairs"][name] = credit_accuracy(states, name)
+    report["by_kind"] = {name: credit_by_kind(states, name) for name in critics}
     if report["states_with_classes"]:
         pairs = [r for _, r in common.read_jsonl(out_path)] if Path(out_path).exists() else []
         report["dpo_pairs"] = dpo_pair_classes(states, pairs)
@@ -115,15 +167,67 @@ def report(out_path, critics=None):
               file=sys.stderr)
         print("DPO pairs against the true classes: " + ", ".join(f"{k} {v}" for k, v in report["dpo_pairs"].items()),
               file=sys.stderr)
+        for name, split in report["by_kind"].items():
+            print(f"  {name}: " + ", ".join(f"{k} {a:.3f} ({n})" for k, (a, n) in split.items()), file=sys.stderr)
     return report
+
+
+def rescore(pairs_path, trajectories, critic_dirs, max_len=16384, max_batch_tokens=65536):
+    """Turn-credit accuracy of critics (name -> train_critic.py output) on the candidates stored in
+    PAIRS.states.jsonl, scored anew as label_turns.py scores them; written to PAIRS.credit_rescored.json."""
+    import torch
+    import label_turns  # the scoring itself (imports this module; only needed here)
+    import models
+    states = [r for _, r in common.read_jsonl(Path(f"{pairs_path}.states.jsonl")) if r.get("classes")]
+    trajs = {(t["task_id"], t.get("sample", 0)): t for t in colbench.load_graded(trajectories)}
+    settings = {}
+    for name, d in critic_dirs.items():
+        common.refuse(not (Path(d) / "run_settings.json").exists()
+                      and f"--critics {name}={d}: no run_settings.json (expected a train_critic.py output directory)")
+        settings[name] = json.loads((Path(d) / "run_settings.json").read_text())
+    refs = {s["model"] for s in settings.values()}
+    common.refuse(len(refs) > 1 and f"--critics start from different models ({', '.join(sorted(refs))}): one pi_ref for all")
+    device = models.local_device()
+    ref_name = refs.pop()
+    critics = {name: models.load_model(d, device).eval() for name, d in critic_dirs.items()}
+    scorer = label_turns.Scorer(models.load_tokenizer(ref_name), critics, settings,
+                                models.load_model(ref_name, device).eval(), max_len, 0, max_batch_tokens)
+    for s in common.tqdm_if(states, True, "states"):
+        traj = trajs.get((s["task_id"], s["sample"]))
+        if traj is None:
+            raise common.DataError(f"{pairs_path}.states.jsonl: task {s['task_id']} sample {s['sample']} is not in "
+                                   f"{trajectories} (pass the trajectories label_turns.py read)")
+        with torch.no_grad():
+            s["advantages_by_critic"] = scorer.advantages(traj["task"], colbench.agent_turns(traj)[s["turn"]][0],
+                                                          s["candidates"])
+        s["advantages_by_critic"]["untrained"] = [0.0] * len(s["candidates"])
+    out = {"states": len(states), "critics": critic_dirs, "credit_accuracy": {}, "class_pairs": {}}
+    for name in [*critic_dirs, "untrained"]:
+        out["credit_accuracy"][name], out["class_pairs"][name] = credit_accuracy(states, name)
+    out["by_kind"] = {name: credit_by_kind(states, name) for name in critic_dirs}
+    common.write_text(f"{pairs_path}.credit_rescored.json", json.dumps(out, indent=2))
+    print("turn-credit accuracy on the stored candidates: " + ", ".join(
+        f"{k} {v:.3f}" if v is not None else f"{k} -" for k, v in out["credit_accuracy"].items()))
+    return out
 
 
 if __name__ == "__main__":
     args = common.parse_args(Args, __doc__)
+    if args.critics:
+        common.refuse(not args.trajectories and "--critics needs --trajectories (the graded trajectories label_turns.py read)",
+                      any("=" not in kv for kv in args.critics.split(",") if kv)
+                      and f"--critics {args.critics}: expected NAME=DIR,NAME=DIR",
+                      not Path(f"{args.pairs}.states.jsonl").exists() and f"--pairs {args.pairs}: no {args.pairs}.states.jsonl")
+        try:
+            rescore(args.pairs, args.trajectories, dict(kv.split("=", 1) for kv in args.critics.split(",") if kv), args.max_len,
+                    args.max_batch_tokens)
+        except common.DataError as e:
+            sys.exit(f"error: {e}")
+        sys.exit(0)
     common.refuse(not Path(f"{args.pairs}.states.jsonl").exists() and f"--pairs {args.pairs}: no {args.pairs}.states.jsonl "
                   f"beside it (label_turns.py writes one; merge shard files first)")
     try:
         if not report(args.pairs)["states_with_classes"]:
-            sys.exit(f"{args.pairs}.states.jsonl has no true classes (only procedural code tasks have them)")
+            sys.exit(f"{args.pairs}.states.jsonl has no true classes (only procedural code tasks and pages have them)")
     except common.DataError as e:
         sys.exit(f"error: {e}")

@@ -75,16 +75,21 @@ class Args:
 
 
 def grade_html(rows, args):
-    """reward = similarity of the rendered final answer and the rendered target (its metric named)."""
+    """reward = similarity of the rendered final answer and the rendered target (its metric named). On
+    procedural pages with design facts also success = exact_design: the answer's render matches every
+    design fact (render.design_features, read from pixels)."""
     sim = render.ImageSimilarity(args.clip_model)
     tasks = {r["task_id"]: r["task"]["ground_truth"] for r in rows}
-    with render.RenderPool(args.render_workers) as pool:
-        targets = dict(zip(tasks, tqdm(map(pool.render, tasks.values()), total=len(tasks), desc="target pages")))
-        answers = list(tqdm(map(pool.render, [r["answer"] or "" for r in rows]), total=len(rows), desc="answer pages"))
+    with render.RenderPool(args.render_workers) as pool, ThreadPoolExecutor(args.render_workers) as threads:
+        targets = dict(zip(tasks, tqdm(threads.map(pool.render, tasks.values()), total=len(tasks), desc="target pages")))
+        answers = list(tqdm(threads.map(pool.render, [r["answer"] or "" for r in rows]), total=len(rows), desc="answer pages"))
         failures = pool.failures
     scores = sim([img for img, _ in answers], [targets[r["task_id"]][0] for r in rows])
-    for r, s, (_, ok) in zip(rows, scores, answers):
+    for r, s, (img, ok) in zip(rows, scores, answers):
         r.update(reward=float(s), metric=sim.metric, rendered=ok)
+        design = colbench.design_of(r["task"]) if r["task"].get("hidden_information") else {}
+        if design:
+            r["success"] = r["exact_design"] = bool(r["answer"]) and not colbench.design_mismatches(design, render.design_features(img))
     return rows, {"metric": sim.metric, "render_failures": failures}
 
 
@@ -169,6 +174,8 @@ def print_table(s, title=""):
         lines += [(f"similarity ({s['metric']})", f"{100 * s['similarity']:.1f}%")]
         if s["k"] > 1:
             lines += [(f"best-of-{s['k']} similarity", f"{100 * s['best_of_k_tests']:.1f}%")]
+        if s.get("exact_design") is not None:
+            lines += [("exact design (every design fact right)", f"{100 * s['exact_design']:.1f}%")]
         if s.get("win_rate") is not None:
             lines += [("win rate vs reference", f"{100 * s['win_rate']:.1f}%")]
         lines += [("pages that failed to render", s["render_failures"])]
@@ -196,49 +203,77 @@ def bootstrap_ci(values, n_boot=10000, seed=0):
 
 
 def compare(args):
-    """Each method's success (mean over tasks of the per-task success rate) with a 95% bootstrap interval
-    over tasks, and its paired difference to the first method on the same tasks with its own interval."""
+    """Each method's score with a 95% bootstrap interval over tasks, and its paired difference to the first
+    method on the same tasks with its own interval. Code: success (mean over tasks of the per-task success
+    rate). Frontend: similarity (per-task mean), the win rate against the first method (tasks where it is
+    higher, ties half) with its interval, and the exact-design rate where the pages have design facts."""
     common.check_writable(args.summary)
     runs = dict(kv.split("=", 1) for kv in args.compare.split(","))
     policies = dict(kv.split("=", 1) for kv in args.policies.split(",") if kv)
-    per_task, tests, outcomes = {}, {}, {}
+    per_task, tests, outcomes, exact, metric = {}, {}, {}, {}, None
     for name, path in runs.items():
         rows = [r for _, r in common.read_jsonl(path)]
         if all("family" in r["task"] for r in rows):  # procedural code tasks: where the dialogues ended
             outcomes[name] = dict(Counter(colbench.dialogue_outcome(r) for r in rows))
+        html = bool(rows) and "metric" in rows[0]  # frontend rows name their similarity metric
         for line, r in enumerate(rows, 1):
-            if "success" not in r:
-                raise common.DataError(f"{path}:{line}: missing 'success' (pass graded trajectories from evaluate.py)")
+            if ("metric" if html else "success") not in r:
+                raise common.DataError(f"{path}:{line}: missing '{'metric' if html else 'success'}' "
+                                       f"(pass graded trajectories from evaluate.py)")
+            if r.get("metric", "success") != (metric or rows[0].get("metric", "success")):
+                raise common.DataError(f"{path}:{line}: scored with {r.get('metric', 'unit tests')}, not "
+                                       f"{metric or rows[0].get('metric', 'unit tests')}: not comparable")
+        metric = rows[0]["metric"] if html else "success"
         by = defaultdict(list)
         for r in rows:
             by[r.get("task_id") or colbench.task_id(r["task"])].append(r)
-        per_task[name] = {t: sum(bool(r["success"]) for r in v) / len(v) for t, v in by.items()}
+        value = (lambda r: r["reward"]) if html else (lambda r: float(bool(r["success"])))
+        per_task[name] = {t: sum(map(value, v)) / len(v) for t, v in by.items()}
         tests[name] = sum(r["reward"] for r in rows) / len(rows)
+        if html and all("exact_design" in r for r in rows):
+            exact[name] = sum(r["exact_design"] for r in rows) / len(rows)
+    html = metric != "success"
+    score = "similarity" if html else "success"
     base = next(iter(runs))
     tasks = sorted(set.intersection(*(set(v) for v in per_task.values())))
     if not tasks:
         raise common.DataError("--compare: the runs share no task")
     paired = {}  # NAME -> difference to the first method (the baseline, zero_shot in run.sh)
-    res = {"num_test_tasks": len(tasks), "methods": {}, f"paired_vs_{base}": paired}
+    res = {"num_test_tasks": len(tasks), **({"metric": metric} if html else {}), "methods": {}, f"paired_vs_{base}": paired}
     for name in runs:
         xs = [per_task[name][t] for t in tasks]
-        res["methods"][name] = {"success": sum(xs) / len(xs), "ci95": bootstrap_ci(xs, args.bootstrap),
-                                "tests_passed": tests[name], "policy": policies.get(name, "")}
+        res["methods"][name] = {score: sum(xs) / len(xs), "ci95": bootstrap_ci(xs, args.bootstrap),
+                                **({"exact_design": exact[name]} if name in exact else {} if html else {"tests_passed": tests[name]}),
+                                "policy": policies.get(name, "")}
         if name in outcomes:
             res["methods"][name]["outcomes"] = outcomes[name]
         if name != base:
             d = [per_task[name][t] - per_task[base][t] for t in tasks]
             paired[name] = {"diff": sum(d) / len(d), "ci95": bootstrap_ci(d, args.bootstrap)}
+            if html:  # a task is won when its similarity is higher; ties count half
+                wins = [1.0 if x > 0 else 0.5 if x == 0 else 0.0 for x in d]
+                paired[name].update(win_rate=sum(wins) / len(wins), win_rate_ci95=bootstrap_ci(wins, args.bootstrap))
     if args.credit:
         res["credit_accuracy"] = json.loads(open(args.credit).read())["credit_accuracy"]
-    print(f"{'method':<16}{'success':>9}{'95% interval':>18}{'vs ' + base:>14}{'95% interval':>18}{'tests passed':>14}")
+    last = "exact design" if html else "tests passed"
+    print(f"{'method':<16}{score:>11}{'95% interval':>18}{'vs ' + base:>14}{'95% interval':>18}{last:>14}"
+          + (f"{'win rate':>10}{'95% interval':>16}" if html else ""))
     for name, m in res["methods"].items():
         p = paired.get(name)
         ci = f"[{100 * m['ci95'][0]:.1f}, {100 * m['ci95'][1]:.1f}]"
         diff = f"{100 * p['diff']:+.1f}" if p else "-"
         diff_ci = f"[{100 * p['ci95'][0]:+.1f}, {100 * p['ci95'][1]:+.1f}]" if p else ""
-        print(f"{name:<16}{100 * m['success']:>8.1f}%{ci:>18}{diff:>14}{diff_ci:>18}{100 * m['tests_passed']:>13.1f}%")
-    print(f"({len(tasks)} tasks; 95% intervals: bootstrap over tasks, {args.bootstrap} resamples)")
+        tail = m.get("exact_design" if html else "tests_passed")
+        line = f"{name:<16}{100 * m[score]:>10.1f}%{ci:>18}{diff:>14}{diff_ci:>18}" + \
+            (f"{100 * tail:>13.1f}%" if tail is not None else f"{'-':>14}")
+        if html and p:
+            wci = p["win_rate_ci95"]
+            line += f"{100 * p['win_rate']:>9.1f}%" + f"[{100 * wci[0]:.1f}, {100 * wci[1]:.1f}]".rjust(16)
+        elif html:
+            line += f"{'-':>10}"
+        print(line)
+    print(f"({len(tasks)} tasks; {'similarity: ' + metric + '; ' if html else ''}95% intervals: bootstrap over tasks, "
+          f"{args.bootstrap} resamples)")
     if outcomes:
         print("where the dialogues ended: " + " / ".join(colbench.OUTCOMES))
         for name, o in outcomes.items():
@@ -246,7 +281,7 @@ def compare(args):
     if res.get("credit_accuracy"):
         print("turn-credit accuracy: " + ", ".join(f"{k} {v:.3f}" for k, v in res["credit_accuracy"].items() if v is not None))
     if args.select:  # max() keeps the first of equal values: the starting policy, then the least-trained snapshot
-        best = max(res["methods"], key=lambda n: res["methods"][n]["success"])
+        best = max(res["methods"], key=lambda n: res["methods"][n][score])
         res["selected"], res["selected_policy"] = best, res["methods"][best]["policy"]
         print(f"selected: {best} ({res['selected_policy'] or 'no policy given'})")
     if args.summary:
@@ -275,6 +310,8 @@ def main(args):
     s = {**summarize(rows, args.k), **extra}
     if args.task_type == "html":
         s["similarity"], s["win_rate"] = s["tests_passed"], None
+        if rows and all("exact_design" in r for r in rows):  # procedural pages: success = exact design
+            s["exact_design"] = s["success_rate"]
         if args.reference:
             ref = [r for _, r in common.read_jsonl(args.reference)]
             if ref and ref[0].get("metric") != s["metric"]:

@@ -2,7 +2,8 @@ r"""Make ColBench task files (the public JSONL format, one task per line).
 
 Reads: nothing (procedural), a ColBench JSONL / `datasets` directory (file), or seed texts (llm).
 Writes: JSONL with problem_description, hidden_information, ground_truth, test_cases (+ task_id);
-        for --task_type html: problem_description and ground_truth (the target HTML).
+        for --task_type html: problem_description and ground_truth (the target HTML), and for
+        procedural pages hidden_information (the hidden design facts).
 
     python generate_tasks.py --task_type code --source procedural --num_tasks 200 --seed 1 --output data/test.jsonl
     python generate_tasks.py --task_type code --source procedural --num_tasks 1000 --seed 0 \
@@ -16,7 +17,9 @@ Writes: JSONL with problem_description, hidden_information, ground_truth, test_c
 Deviations from the paper:
 1. `procedural` is ours: an offline generator of small personalised functions whose hidden facts
    are written as plain sentences a person would know (the public data stores the ground-truth
-   code itself as hidden information). Its tasks are easy enough for a 135M model.
+   code itself as hidden information). Its tasks are easy enough for a 135M model. Procedural
+   frontend pages are ours too: five design facts, 2-3 of them hidden (the public frontend data
+   has no hidden information; its human only compares renders).
 2. Every ground truth is run in the sandboxed grader; tasks whose ground truth errors or returns
    None on any test are dropped (the paper drops tasks whose ground truth fails to run).
 """
@@ -200,52 +203,38 @@ def procedural_task(rng, family=None, families=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# Procedural frontend pages (Tailwind 2.2.19): header, nav, hero, feature columns, footer, with
-# colours, alignment, sizes and layout drawn at random. The description names the page's gist only.
+# Procedural frontend pages (Tailwind 2.2.19) with hidden design facts: a header with the business's
+# name, a row of boxes and a footer, set by five facts (colbench.DESIGN_FACTS: page background,
+# header colour, number of boxes, footer colour, title alignment). The description states some of
+# them; 2-3 are hidden, one a line of hidden_information, for the agent to ask about or find by
+# showing drafts. A page is ~150 tokens, short enough for the 135M agent to write.
 # ----------------------------------------------------------------------------------------------
 BUSINESSES = ["bakery", "law firm", "yoga studio", "bike shop", "dental clinic", "coffee roaster", "museum",
-              "travel agency", "bookstore", "software startup", "flower shop", "gym", "animal shelter", "hotel"]
-COLOURS = ["red", "yellow", "green", "blue", "indigo", "purple", "pink", "gray"]  # Tailwind 2 default palette
+              "travel agency", "bookstore", "flower shop", "gym", "animal shelter", "hotel", "pizzeria"]
 TAILWIND_LINK = '<link href="https://cdn.jsdelivr.net/npm/tailwindcss@2.2.19/dist/tailwind.min.css" rel="stylesheet">'
 
 
+def design_page(design, title):
+    """The page (a <body> element) of a design {key: value} (colbench.DESIGN_FACTS); the boxes take the header's hue."""
+    dark = design["background"] == "dark"
+    box = f'<div class="bg-{design["header"]}-200"></div>'
+    return (f'<body class="{"bg-gray-900" if dark else "bg-white"}">\n'
+            f'<header class="bg-{design["header"]}-600 text-white text-4xl text-{design["title"]} p-6">{title}</header>\n'
+            f'<div class="grid grid-cols-{design["boxes"]} gap-4 p-6 h-36">{box * int(design["boxes"])}</div>\n'
+            f'<footer class="bg-{design["footer"]}-700 text-white p-4">{title}</footer>\n</body>')
+
+
 def procedural_page(rng):
-    """One frontend task in the public format: problem_description + ground_truth HTML."""
+    """One frontend task: problem_description (with the stated facts), hidden_information (the hidden
+    facts, one a line, most important first) and ground_truth (the target HTML)."""
+    design = {k: rng.choice(values) for k, (_, values) in colbench.DESIGN_FACTS.items()}
+    hidden = set(rng.sample(sorted(design), rng.choice([2, 3])))
     biz = rng.choice(BUSINESSES)
-    title = biz.title()
-    hue, accent = rng.sample(COLOURS, 2)
-    shade = rng.choice([500, 600, 700, 800])
-    align = rng.choice(["left", "center", "right"])
-    page_bg = rng.choice(["bg-white", "bg-gray-100", f"bg-{hue}-50", "bg-gray-900"])
-    text = "text-white" if page_bg == "bg-gray-900" else "text-gray-800"
-    size = rng.choice(["text-2xl", "text-3xl", "text-4xl"])
-    parts = [f'<header class="bg-{hue}-{shade} text-white p-6 text-{align}">\n  <h1 class="{size} font-bold">{title}</h1>\n</header>']
-    desc = [f"A {rng.choice(['clean', 'bold', 'friendly', 'modern', 'simple'])} website for a {biz}",
-            f"with a {hue} header"]
-    if rng.random() < 0.6:
-        links = rng.sample(["Home", "About", "Services", "Prices", "Team", "Blog", "Contact"], rng.randint(3, 5))
-        lis = "".join(f'<li><a href="#" class="hover:underline">{l}</a></li>' for l in links)
-        parts.append(f'<nav class="bg-{accent}-100 p-4">\n  <ul class="flex space-x-6 justify-{ {"left": "start", "center": "center", "right": "end"}[align]}">{lis}</ul>\n</nav>')
-        desc.append("a navigation bar")
-    if rng.random() < 0.7:
-        img = f'<img src="https://picsum.photos/id/{rng.randint(1, 90)}/{rng.choice([400, 600])}/{rng.choice([200, 300])}" class="mx-auto my-4">' \
-            if rng.random() < 0.5 else ""
-        parts.append(f'<section class="p-10 text-{align}">\n  <h2 class="text-2xl font-semibold">Welcome to our {biz}</h2>\n'
-                     f'  <p class="mt-2">We are glad you are here.</p>{img}\n</section>')
-        desc.append("a welcome section" + (" with a picture" if img else ""))
-    if rng.random() < 0.7:
-        n = rng.randint(2, 4)
-        cols = "".join(f'<div class="bg-{accent}-{rng.choice([200, 300])} p-4 rounded"><h3 class="font-bold">Feature {i + 1}</h3>'
-                       f'<p>Something we do well.</p></div>' for i in range(n))
-        parts.append(f'<section class="grid grid-cols-{n} gap-4 p-6">{cols}</section>')
-        desc.append(f"{n} feature boxes in a row")
-    if rng.random() < 0.8:
-        parts.append(f'<footer class="bg-{rng.choice([hue, accent, "gray"])}-{rng.choice([700, 800, 900])} text-white p-4 '
-                     f'text-center">\n  <p>&copy; {title}</p>\n</footer>')
-        desc.append("a footer")
-    html = f'<html>\n{TAILWIND_LINK}\n<body class="{page_bg} {text}">\n' + "\n".join(parts) + "\n</body>\n</html>"
-    description = desc[0] + " " + ", ".join(desc[1:-1]) + (" and " if len(desc) > 2 else " ") + desc[-1] + "."
-    return {"problem_description": description, "ground_truth": html}
+    stated = " ".join(colbench.design_fact(k, design[k]) for k in design if k not in hidden)
+    return {"problem_description": f"I want a {rng.choice(['clean', 'bold', 'friendly', 'simple'])} web page for my {biz}: "
+                                   f"a header with its name, a row of boxes and a footer. {stated}",
+            "hidden_information": "\n".join(colbench.design_fact(k, design[k]) for k in design if k in hidden),
+            "ground_truth": f"<html>\n{TAILWIND_LINK}\n{design_page(design, biz.title())}\n</html>"}
 
 
 def load_html_tasks(path):

@@ -23,7 +23,7 @@ Scoring shares work: the prompt (c + o_t) is run once, and the N candidates run 
 batches of similar length (common.shared_prompt_logprobs); it equals naive one-by-one scoring
 (tests check 1e-4).
 
-Turn-credit accuracy (procedural code tasks; credit.py, apart from the algorithm): every candidate's
+Turn-credit accuracy (procedural code tasks and pages; credit.py, apart from the algorithm): every candidate's
 true class is stored in the states file beside every critic's advantages (--critic and
 --credit_critics), and PAIRS.credit.json says how often each critic ranks a good turn above a bad one.
 
@@ -172,7 +172,7 @@ def main(args):
 
 class Scorer:
     """Scores candidate turns of a state: every critic's advantage (each with pi_ref on the same input)
-    and, on procedural code tasks, every candidate's true class."""
+    and, on procedural tasks, every candidate's true class."""
 
     def __init__(self, tok, critics, critic_settings, ref, max_len, max_turns, max_batch_tokens=None):
         self.tok, self.critics, self.settings, self.ref = tok, critics, critic_settings, ref
@@ -221,6 +221,7 @@ def label(args, todo, critic_dirs, critic_settings, ref_name, policy_name, rng, 
             label_state(state, candidates, scorer, args.pairs_per_state, rng, pairs_out, state_log)
             bar.update(1)
     bar.close()
+    scorer.classes.close()
 
 
 def label_state(state, candidates, scorer, pairs_per_state, rng, pairs_out, state_log):
@@ -234,7 +235,7 @@ def label_state(state, candidates, scorer, pairs_per_state, rng, pairs_out, stat
                          "chosen_advantage": advantage[a], "rejected_advantage": advantage[b], **base})
     row = {**base, "candidates": candidates, "advantages": advantage}
     classes = scorer.classes(traj, turn, candidates)
-    if classes is not None:  # procedural code task: every candidate's true class
+    if classes is not None:  # procedural task: every candidate's true class
         row["classes"] = classes
         row["advantages_by_critic"] = advantages
     state_log.write(row)

@@ -242,3 +242,63 @@ class ImageSimilarity:
             hy = np.histogramdd((y // 32).reshape(-1, 3), bins=(8, 8, 8), range=[(0, 8)] * 3)[0] / (224 * 224)
             out.append(float(0.5 * pix + 0.5 * np.minimum(hx, hy).sum()))
         return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Design features of a render (procedural frontend pages with design facts; colbench.DESIGN_FACTS):
+# read from pixels only, whatever HTML produced them.
+# ----------------------------------------------------------------------------------------------
+HUE_RGB = {  # Tailwind 2.2.19's colours at the shades the procedural pages use (200: boxes, 600: header, 700: footer)
+    "red": [(254, 202, 202), (220, 38, 38), (185, 28, 28)], "yellow": [(253, 230, 138), (217, 119, 6), (180, 83, 9)],
+    "green": [(167, 243, 208), (5, 150, 105), (4, 120, 87)], "blue": [(191, 219, 254), (37, 99, 235), (29, 78, 216)],
+    "purple": [(221, 214, 254), (124, 58, 237), (109, 40, 217)], "pink": [(251, 207, 232), (219, 39, 119), (190, 24, 93)],
+    "gray": [(229, 231, 235), (75, 85, 99), (55, 65, 81)]}
+
+
+def hue_name(rgb):
+    """The nearest hue of HUE_RGB (any of its shades)."""
+    return min(((sum((a - b) ** 2 for a, b in zip(ref, rgb)), hue) for hue, refs in HUE_RGB.items() for ref in refs))[1]
+
+
+def design_features(img):
+    """{background: white|dark, header: hue|None, boxes: 'n'|None, footer: hue|None, title: left|center|right|None}
+    from a page render: the page colour; bands of rows whose main colour is not the page's; the first band
+    at the top is the header (the title is where its light-on-colour pixels lie), a band crossed by 2+
+    separate blocks is the row of boxes, the last single block band below it the footer."""
+    import numpy as np
+    a = np.asarray(img.convert("RGB"), dtype=np.int32)[:, ::4]  # every 4th column is enough
+    height, width = a.shape[:2]
+    codes = (a[..., 0] // 8) * 1024 + (a[..., 1] // 8) * 32 + a[..., 2] // 8
+    decode = lambda c: (c // 1024 * 8 + 4, c // 32 % 32 * 8 + 4, c % 32 * 8 + 4)
+    bg = int(np.bincount(codes.ravel()).argmax())
+    out = {"background": "dark" if sum(decode(bg)) < 3 * 128 else "white", "header": None, "boxes": None, "footer": None,
+           "title": None}
+    row_mode = [int(np.bincount(r).argmax()) for r in codes]
+    bands, start = [], 0  # [first row, end row, colour code] of runs of rows with one main colour, not the page's
+    for y in range(1, height + 1):
+        if y == height or row_mode[y] != row_mode[start]:
+            if row_mode[start] != bg and y - start >= 8:
+                bands.append((start, y, row_mode[start]))
+            start = y
+    def blocks(band):  # separate runs of the band's colour along a row inside its top padding
+        row = codes[min(band[0] + 3, band[1] - 1)] == band[2]
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], row.astype(np.int8), [0]])))
+        return sum(1 for s, e in zip(edges[::2], edges[1::2]) if e - s >= width // 40)
+    rest = bands
+    if bands and bands[0][0] <= 8 and blocks(bands[0]) == 1:
+        y0, y1, colour = rest[0]
+        out["header"] = hue_name(decode(colour))
+        region = a[y0:y1]
+        ink = np.abs(region - np.array(decode(colour))).sum(-1) > 150
+        xs = np.flatnonzero(ink.any(0))
+        if len(xs):
+            centre = (xs.min() + xs.max()) / 2 / width
+            out["title"] = "left" if centre < 0.35 else "right" if centre > 0.65 else "center"
+        rest = bands[1:]
+    boxes = [b for b in rest if blocks(b) >= 2]
+    if boxes:
+        out["boxes"] = str(blocks(boxes[0]))
+        rest = [b for b in rest if b[0] > boxes[0][0]]
+    if rest and blocks(rest[-1]) == 1:
+        out["footer"] = hue_name(decode(rest[-1][2]))
+    return out

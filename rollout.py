@@ -25,8 +25,8 @@ Deviations from the paper / released code:
    prompts/, this reproduces the released prompts.
 2. Batching is continuous at turn granularity: the current turn of every active dialogue is one
    padded `generate` call; a finished dialogue's slot is refilled at once.
-3. `--agent_backend oracle` is ours: a scripted agent that asks for each hidden fact, then answers
-   with the ground truth. It proves tasks are solvable through dialogue and produces the
+3. `--agent_backend oracle` is ours: a scripted agent that asks for each hidden fact (html: asks, or
+   shows a draft), then answers with the ground truth. It proves tasks are solvable through dialogue and produces the
    warm-up data for the embedded 135M model (docs/curriculum.md).
 """
 from __future__ import annotations
@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 import colbench
 import common
+import generate_tasks
 import models
 import render
 
@@ -140,8 +141,43 @@ def guess_answer(task, known, rng):
     return code
 
 
+# Frontend (procedural pages with design facts): a question per fact, questions the facts never cover,
+# and the page itself (generate_tasks.design_page) with unheard facts guessed.
+DESIGN_QUESTIONS = {"background": "Should the page background be white or dark?", "header": "What colour is the header?",
+                    "boxes": "How many boxes go in the row?", "footer": "What colour is the footer?",
+                    "title": "How should the title be aligned?"}
+HTML_DETOURS = ["Do you want a contact form?", "Which font do you like?", "Should there be a logo?",
+                "Do you want rounded corners?", "Should the links open in a new tab?"]
+
+
+def html_oracle_turn(task, dialogue, turn, plan, rng, args):
+    """The html oracle's turn: like the code oracle (complete, hasty, detours), and it either asks for
+    the next unknown hidden fact or shows a draft with the unknown facts guessed (the human then names
+    the most important one it gets wrong). Pages without design facts get the target at once."""
+    design = colbench.design_of(task)
+    if not task.get("hidden_information") or not design:
+        return f"{colbench.ANSWER_MARKER}\n{task['ground_truth'].strip()}"
+    facts = colbench.hidden_facts(task)
+    known = colbench.revealed_facts(task, dialogue)
+    hidden = dict(filter(None, map(colbench.parse_design_fact, facts)))
+    title = re.search(r"<header[^>]*>(.*?)</header>", task["ground_truth"], re.S).group(1).strip()
+    guess = {k: plan.choice(colbench.DESIGN_FACTS[k][1]) for k in sorted(design)}  # one guess per fact, per dialogue
+    page = lambda: generate_tasks.design_page({k: v if k not in hidden or colbench.design_fact(k, v) in known else guess[k]
+                                               for k, v in design.items()}, title)
+    budget = plan.randrange(len(facts)) if plan.random() < args.oracle_hasty else None
+    approved = dialogue[-1]["role"] == "user" and dialogue[-1]["content"].startswith("Yes, that is")
+    if len(known) == len(facts) or approved or (budget is not None and turn >= budget) or turn >= args.max_turns - 1:
+        return f"{colbench.ANSWER_MARKER}\n{page()}"
+    if rng.random() < args.oracle_detour:
+        heard = sorted(k for k, v in hidden.items() if colbench.design_fact(k, v) in known)
+        return DESIGN_QUESTIONS[rng.choice(heard)] if heard and rng.random() < 0.5 else rng.choice(HTML_DETOURS)
+    if rng.random() < 0.5:
+        return f"Here is a draft. What should change?\n{page()}"
+    return DESIGN_QUESTIONS[next(k for k, v in hidden.items() if colbench.design_fact(k, v) not in known)]
+
+
 class OracleAgent:
-    """A scripted agent (html: answers at once with the target page). Code: asks for the first hidden
+    """A scripted agent (html: html_oracle_turn). Code: asks for the first hidden
     fact not yet revealed, and answers with the ground truth once every fact is known. With
     --oracle_hasty p, a dialogue instead (with probability p) has a budget of questions, fewer than
     the facts, and answers once it is spent, with the ground truth whose unheard constants are
@@ -161,13 +197,13 @@ class OracleAgent:
         outs, a = [], self.args
         for ep in episodes:
             task = ep["task"]
+            turn = sum(m["role"] == "assistant" for m in ep["dialogue"])  # questions asked so far
+            plan = self.rng(ep)
             if ep["task_type"] == "html":
-                outs.append(f"{colbench.ANSWER_MARKER}\n{task['ground_truth'].strip()}")
+                outs.append(html_oracle_turn(task, ep["dialogue"], turn, plan, self.rng(ep, turn), a))
                 continue
             facts = colbench.hidden_facts(task)
             known = colbench.revealed_facts(task, ep["dialogue"])
-            turn = sum(m["role"] == "assistant" for m in ep["dialogue"])  # questions asked so far
-            plan = self.rng(ep)
             budget = plan.randrange(len(facts)) if plan.random() < a.oracle_hasty else None
             if len(known) == len(facts) or (budget is not None and turn >= budget) or turn >= a.max_turns - 1:
                 code = task["ground_truth"].strip() if len(known) == len(facts) else guess_answer(task, known, plan)

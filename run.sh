@@ -35,7 +35,7 @@ HASTY_STEP=${HASTY_STEP:-0.1}
 ORACLE_DETOUR=${ORACLE_DETOUR:-0.2}   # warm-up: chance that an oracle question asks about nothing the human knows
 N_TRAIN=${N_TRAIN:-60}                # RL train tasks
 N_TEST=${N_TEST:-200}                 # test tasks
-N_VAL=${N_VAL:-$([ "${TASK_TYPE:-code}" = html ] && echo 0 || { [ "${SMALL:-0}" = 1 ] && echo 8 || echo 50; })}  # validation tasks, held out of train, test and warm-up: each policy update keeps its best snapshot on them (docs/curriculum.md)
+N_VAL=${N_VAL:-$([ "${SMALL:-0}" = 1 ] && echo 8 || echo 50)}  # validation tasks, held out of train, test and warm-up: each policy update keeps its best snapshot on them (docs/curriculum.md)
 VAL_SAMPLES=${VAL_SAMPLES:-2}         # rollouts per validation task
 SNAPSHOTS=${SNAPSHOTS:-2}             # policy snapshots saved during each update besides its end (at 1/3 and 2/3 of the steps)
 SAMPLES=${SAMPLES:-4}                 # rollouts per train task
@@ -47,13 +47,13 @@ TEMPERATURE=${TEMPERATURE:-1.0}       # test rollouts: the policy samples its ow
 TRAIN_TEMPERATURE=${TRAIN_TEMPERATURE:-1.0}  # train rollouts: more varied samples give the critic pairs
 TOP_P=${TOP_P:-1.0}                   # nucleus sampling of every rollout (1.0: the policy's own distribution)
 MAX_TURNS=${MAX_TURNS:-10}
-MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-$([ "${TASK_TYPE:-code}" = html ] && echo 640 || echo 96)}  # a page needs ~350 tokens
+MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-$([ "${TASK_TYPE:-code}" = html ] && echo 192 || echo 96)}  # a procedural page is 122-161 tokens
 LR_WARMUP=${LR_WARMUP:-1e-4}
 LR_CRITIC=${LR_CRITIC:-5e-5}
 LR_DPO=${LR_DPO:-6e-6}               # chosen on validation tasks (seed 100) over 3e-6 and 1e-5 (docs/curriculum.md, "How far turn-level DPO moves the policy")
 TRAIN_LAYERS=${TRAIN_LAYERS:-$([ "$MODEL" = embedded ] && echo 10 || echo 0)}  # critic/DPO train only the top N layers (0 = all; README, deviations)
 CRITIC_EPOCHS=${CRITIC_EPOCHS:-2}
-CREDIT_VARIANTS=${CREDIT_VARIANTS:-$([ "${TASK_TYPE:-code}" = code ] && echo 1 || echo 0)}  # critic ablations for turn-credit accuracy: 1 without training-time information, 2 also the trajectory-mean form
+CREDIT_VARIANTS=${CREDIT_VARIANTS:-1}  # critic ablations for turn-credit accuracy: 1 without training-time information, 2 also the trajectory-mean form
 BATCH_SIZE=${BATCH_SIZE:-64}          # rollout dialogues per batch
 NPROC=${NPROC:-1}                     # processes (GPUs) per stage: training under torchrun + FSDP2; vLLM sampling sharded
 AGENT_BACKEND=${AGENT_BACKEND:-}      # how rollouts and label_turns sample the policy: hf | vllm (empty: vllm when installed and MODEL is not embedded)
@@ -255,34 +255,13 @@ done
 log "results ($RUN)"
 runs=() pols=()  # NAME=GRADED and NAME=POLICY of every method
 for m in $METHODS; do runs+=("${m%%:*}=$RUN/test_${m%%:*}_graded.jsonl"); pols+=("${m%%:*}=${m#*:}"); done
-if [ "$TASK_TYPE" = code ]; then
-  credit=(); [ -f "$RUN/pairs.jsonl.credit.json" ] && credit=(--credit "$RUN/pairs.jsonl.credit.json")
-  "$PY" evaluate.py --compare "$(IFS=,; echo "${runs[*]}")" --policies "$(IFS=,; echo "${pols[*]}")" "${credit[@]}" \
-    --summary "$RUN/results.json" | tee "$RUN/results.txt"
-fi
-report() {  # the teaching views: plots of results and training, and the trajectory viewer
-  if [ "$TASK_TYPE" = code ]; then "$PY" view.py --plots "$RUN"; fi
-  local states=(); [ -f "$RUN/pairs.jsonl.states.jsonl" ] && states=(--states "$RUN/pairs.jsonl.states.jsonl")
-  local all=("${runs[@]}"); [ -f "$RUN/train_graded.jsonl" ] && all+=("train=$RUN/train_graded.jsonl")  # the labelled states
-  "$PY" view.py --trajectories "$(IFS=,; echo "${all[*]}")" "${states[@]}" --critic "$RUN/critic" \
-    --task_type "$TASK_TYPE" --max_dialogues "${REPORT_DIALOGUES:-40}" --output "$RUN/report.html"
-}
-if [ "$TASK_TYPE" = code ]; then report; echo "open $RUN/report.html in a browser; plots: $RUN/results.png, $RUN/training.png"; exit 0; fi
-"$PY" - "$RUN" $METHODS <<'EOF' | tee "$RUN/results.txt"
-import json, sys
-run, methods = sys.argv[1], [m.split(":")[0] for m in sys.argv[2:]]
-rows = [(m, json.load(open(f"{run}/test_{m}_summary.json"))) for m in methods]
-if "similarity" in rows[0][1]:  # frontend
-    print(f"{'method':<16}{'similarity':>12}{'win rate vs zero-shot':>24}{'mean turns':>12}{'answered':>10}")
-    for m, s in rows:
-        wr = "-" if s.get("win_rate") is None else f"{100 * s['win_rate']:.1f}%"
-        print(f"{m:<16}{100 * s['similarity']:>11.1f}%{wr:>24}{s['mean_turns']:>12.2f}{100 * s['answered_rate']:>9.1f}%")
-    print(f"({s['num_tasks']} test tasks; similarity metric: {s['metric']})")
-else:
-    print(f"{'method':<16}{'success':>10}{'tests passed':>14}{'mean turns':>12}{'answered':>10}")
-    for m, s in rows:
-        print(f"{m:<16}{100 * s['success_rate']:>9.1f}%{100 * s['tests_passed']:>13.1f}%{s['mean_turns']:>12.2f}"
-              f"{100 * s['answered_rate']:>9.1f}%")
-    print(f"({s['num_tasks']} test tasks)")
-EOF
-if [ "$TASK_TYPE" = html ]; then report; fi
+credit=(); [ -f "$RUN/pairs.jsonl.credit.json" ] && credit=(--credit "$RUN/pairs.jsonl.credit.json")
+"$PY" evaluate.py --compare "$(IFS=,; echo "${runs[*]}")" --policies "$(IFS=,; echo "${pols[*]}")" "${credit[@]}" \
+  --summary "$RUN/results.json" | tee "$RUN/results.txt"
+# the teaching views: plots of results and training, and the trajectory viewer
+"$PY" view.py --plots "$RUN"
+states=(); [ -f "$RUN/pairs.jsonl.states.jsonl" ] && states=(--states "$RUN/pairs.jsonl.states.jsonl")
+all=("${runs[@]}"); [ -f "$RUN/train_graded.jsonl" ] && all+=("train=$RUN/train_graded.jsonl")  # the labelled states
+"$PY" view.py --trajectories "$(IFS=,; echo "${all[*]}")" "${states[@]}" --critic "$RUN/critic" \
+  --task_type "$TASK_TYPE" --max_dialogues "${REPORT_DIALOGUES:-40}" --output "$RUN/report.html"
+echo "open $RUN/report.html in a browser; plots: $RUN/results.png, $RUN/training.png"

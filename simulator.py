@@ -18,8 +18,11 @@ Backends:
   most relevant code lines), or says it doesn't know. Asked for a task in the JSON format of
   generate_tasks.LLM_PROMPT, it returns a procedural task, so the `llm` task source can be tested
   offline.
-  Given images (the frontend human: the agent's render, if any, then the target), it is a
-  deterministic design critic: it compares the pixels (page, header and footer colours, the stack
+  Given images and hidden design facts (procedural pages, colbench.DESIGN_FACTS; ours), it quotes
+  the most important hidden fact a shown draft gets wrong (read from the draft's pixels), or answers
+  a text question with the hidden lines it matches, as on code: one thing at a time.
+  Given images only (the frontend human of ColBench: the agent's render, if any, then the target),
+  it is a deterministic design critic: it compares the pixels (page, header and footer colours, the stack
   of colour blocks, alignment, height) and names the most outstanding differences in at most three
   sentences.
 - hf: a local transformers chat model, greedy (temperature 0 in the paper); text only.
@@ -160,13 +163,18 @@ class ScriptedBackend:
     def chat(self, messages, max_tokens):
         system = next((m["content"] for m in messages if m["role"] == "system"), "")
         last = messages[-1]["content"] if messages else ""
+        hidden = colbench.parse_hidden_information(system)
         if isinstance(last, list):  # multimodal content: a design question, with its images
             images = [render.data_url_to_image(p["image_url"]["url"]) for p in last
                       if isinstance(p, dict) and p.get("type") == "image_url"]
+            texts = [p.get("text", "") for p in last if isinstance(p, dict) and p.get("type") == "text"]
+            if hidden is not None:  # a page with hidden design facts (ours): a draft gets one fact, a question its lines
+                if len(images) > 1:
+                    return colbench.draft_reply(hidden, render.design_features(images[0]))
+                return colbench.scripted_reply(hidden, texts[0] if texts else "")
             if images:
                 return design_feedback(images[0] if len(images) > 1 else None, images[-1])
-            last = " ".join(p.get("text", "") for p in last if isinstance(p, dict))
-        hidden = colbench.parse_hidden_information(system)
+            last = " ".join(texts)
         parsed = self.human_template and colbench.parse_templated(self.human_template, last)
         if parsed:  # the released format: the template, with the whole transcript, in one user message
             hidden, last = parsed

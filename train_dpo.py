@@ -3,7 +3,7 @@
 Reads:  --mode turn:       PAIRS JSONL from label_turns.py (prompt, chosen, rejected, ...)
         --mode trajectory: graded trajectories (evaluate.py) -> trajectory pairs (multi-turn DPO)
         --mode sft:        graded trajectories -> agent turns of successful ones (rejection fine-tuning;
-                           html: each task's best sample)
+                           html: exact designs, or each task's best sample where pages have no design facts)
 Writes: an HF checkpoint in --output_dir (+ run_settings.json, log.jsonl).
 
     python train_dpo.py --pairs runs/pairs.jsonl --model embedded --output_dir runs/sweet
@@ -140,8 +140,8 @@ def build_examples(args):
     if args.mode == "trajectory":
         return [{"chosen": colbench.agent_turns(c), "rejected": colbench.agent_turns(r)}
                 for c, r in colbench.trajectory_pairs(graded, args.task_type)]
-    if args.task_type == "html":  # no notion of success: fine-tune on each task's best sample
-        best = {}
+    if args.task_type == "html" and args.sft_on == "success" and not all("success" in r for r in graded):
+        best = {}  # ColBench pages have no notion of success (procedural ones: exact design): each task's best sample
         for r in graded:
             if r["task_id"] not in best or r["reward"] > best[r["task_id"]]["reward"]:
                 best[r["task_id"]] = r

@@ -149,7 +149,7 @@ for(const id of ['task','succ','method'])for(const ev of ['input','change'])docu
 
 
 def plots(run):
-    """results.png: each method's success with its 95% interval; training.png: the critic's loss and
+    """results.png: each method's success (frontend: similarity) with its 95% interval; training.png: the critic's loss and
     pair accuracy (train and held out) and DPO's reward margins and accuracy, by step."""
     import matplotlib
     matplotlib.use("Agg")
@@ -159,14 +159,15 @@ def plots(run):
     if (run / "results.json").exists():
         res = json.loads((run / "results.json").read_text())
         names = list(res["methods"])
-        mid = [100 * res["methods"][n]["success"] for n in names]
+        score = "similarity" if "metric" in res else "success"  # frontend: similarity, its metric named
+        mid = [100 * res["methods"][n][score] for n in names]
         err = [[m - 100 * res["methods"][n]["ci95"][0] for n, m in zip(names, mid)],
                [100 * res["methods"][n]["ci95"][1] - m for n, m in zip(names, mid)]]
         fig, ax = plt.subplots(figsize=(5.5, 3.5))
         ax.bar(names, mid, yerr=err, capsize=6, color=["#999999"] + ["#2a7ab9"] * (len(names) - 1))
         for i, m in enumerate(mid):
             ax.text(i, m + 1, f"{m:.1f}%", ha="left", va="bottom", fontsize=9)
-        ax.set_ylabel("test success (%)")
+        ax.set_ylabel(f"test similarity (%, {res['metric']})" if "metric" in res else "test success (%)")
         ax.set_title(f"{res['num_test_tasks']} test tasks, 95% bootstrap intervals", fontsize=10)
         fig.tight_layout()
         fig.savefig(run / "results.png", dpi=90)

@@ -108,6 +108,10 @@ def test_html_extraction_follows_released_rules():
 def test_procedural_pages_are_deterministic_and_import_websight(tmp_path):
     a = [generate_tasks.procedural_page(random.Random(5)) for _ in range(2)]
     assert a[0] == a[1] and "tailwindcss@2.2.19" in a[0]["ground_truth"]
+    for t in [generate_tasks.procedural_page(random.Random(s)) for s in range(30)]:  # 2-3 of the 5 facts hidden
+        hidden = t["hidden_information"].splitlines()
+        assert 2 <= len(hidden) <= 3 and len(colbench.design_of(t)) == 5
+        assert not any(f in t["problem_description"] for f in hidden)
     (tmp_path / "ws.jsonl").write_text(json.dumps({"text": a[0]["ground_truth"], "llm_generated_idea": "A page."}) + "\n")
     (t,) = generate_tasks.load_html_tasks(tmp_path / "ws.jsonl")
     assert t["problem_description"] == "A page." and t["ground_truth"] == a[0]["ground_truth"]
@@ -124,9 +128,18 @@ def test_html_rollout_and_evaluation_end_to_end(tiny_model, simulator_url, tmp_p
     assert len(rows) == 2
     asked = [r for r in rows if r["num_turns"] == 2]  # the random model shows no snippet and no marker
     assert asked
-    for r in asked:  # the human saw only the target page and described it
-        assert r["dialogue_history"][2]["content"].startswith("I have not seen a page from you yet")
-        assert len(r["dialogue_history"][2]["content"]) <= 1000
+    for r in asked:  # a text message on a page with hidden facts: at most the hidden lines it matches
+        reply = r["dialogue_history"][2]["content"]
+        assert reply == "I don't know, sorry." or set(reply.split(". ")) <= set(r["task"]["hidden_information"].splitlines())
+    # ColBench's frontend tasks hold no hidden facts: the human compares renders, and describes the target
+    (tmp_path / "cb.jsonl").write_text("".join(json.dumps({k: t[k] for k in ("problem_description", "ground_truth")}) + "\n"
+                                               for t in read_jsonl(tmp_path / "t.jsonl")))
+    run_script("rollout.py", "--task_type", "html", "--tasks", tmp_path / "cb.jsonl", "--output", tmp_path / "cb_r.jsonl",
+               "--agent_model", tiny_model, "--simulator_url", simulator_url, "--max_turns", "2", "--max_new_tokens", "8")
+    for r in read_jsonl(tmp_path / "cb_r.jsonl"):
+        if r["num_turns"] == 2:
+            assert r["dialogue_history"][2]["content"].startswith("I have not seen a page from you yet")
+            assert len(r["dialogue_history"][2]["content"]) <= 1000
     run_script("rollout.py", "--task_type", "html", "--tasks", tmp_path / "t.jsonl", "--output", tmp_path / "o.jsonl",
                "--agent_backend", "oracle", "--agent_model", tiny_model, "--simulator_url", simulator_url)
     run_script("evaluate.py", "--task_type", "html", "--input", tmp_path / "o.jsonl", "--output", tmp_path / "og.jsonl",
@@ -135,6 +148,89 @@ def test_html_rollout_and_evaluation_end_to_end(tiny_model, simulator_url, tmp_p
                "--summary", tmp_path / "rs.json", "--reference", tmp_path / "og.jsonl")
     oracle, tiny = (json.loads((tmp_path / f).read_text()) for f in ("os.json", "rs.json"))
     assert oracle["similarity"] == pytest.approx(1.0) and oracle["metric"] == "pixel_hist_v1"
+    assert oracle["exact_design"] == 1.0 and oracle["mean_turns"] > 1  # it asked or showed drafts before answering
     assert tiny["similarity"] < 1.0 and tiny["win_rate"] == 0.0  # the random model never beats the target itself
     assert all(r["metric"] == "pixel_hist_v1" for r in read_jsonl(tmp_path / "rg.jsonl"))
     assert evaluate.win_rate([{"task_id": "a", "reward": 0.5}], [{"task_id": "a", "reward": 0.5}]) == 0.5
+
+
+def test_design_facts_are_read_from_pixels(renderer):
+    """Every design fact of a procedural page comes back from its render; changing one fact changes
+    exactly that feature, and the human names it (the most important wrong hidden fact, one at a time)."""
+    rng = random.Random(11)
+    for _ in range(8):
+        design = {k: rng.choice(v) for k, (_, v) in colbench.DESIGN_FACTS.items()}
+        assert render.design_features(renderer.render(generate_tasks.design_page(design, "Bike Shop"))[0]) == design
+        key = rng.choice(sorted(design))
+        other = dict(design, **{key: next(v for v in colbench.DESIGN_FACTS[key][1] if v != design[key])})
+        features = render.design_features(renderer.render(generate_tasks.design_page(other, "Bike Shop"))[0])
+        assert colbench.design_mismatches(design, features) == [key]
+        hidden = "\n".join(colbench.design_fact(k, design[k]) for k in design)
+        assert colbench.draft_reply(hidden, features) == f"Not quite. {colbench.design_fact(key, design[key])}"
+    assert colbench.draft_reply(hidden, render.design_features(
+        renderer.render(generate_tasks.design_page(design, "Bike Shop"))[0])).startswith("Yes, that is")
+    blank = render.design_features(renderer.render("<body></body>")[0])
+    assert blank == {"background": "white", "header": None, "boxes": None, "footer": None, "title": None}
+
+
+def test_html_human_reveals_one_fact_at_a_time(renderer):
+    """Through the simulator's chat path: a text question gets the hidden line it matches, a shown draft
+    its most important wrong hidden fact, never the whole design."""
+    task = {"problem_description": "A page for my gym: a header, boxes and a footer. The footer is gray. "
+                                   "There are 3 boxes in a row.", "hidden_information": "The page background is dark.\n"
+            "The header is green.\nThe title is aligned to the right.",
+            "ground_truth": "<html>" + generate_tasks.design_page(
+                {"background": "dark", "header": "green", "boxes": "3", "footer": "gray", "title": "right"}, "Gym") + "</html>"}
+    human = simulator.ScriptedBackend()
+    target = renderer.render(task["ground_truth"])[0]
+    ask = lambda text, img=None: human.chat(colbench.human_messages(task, [{"role": "user", "content": "x"},
+                                                                           {"role": "assistant", "content": text}],
+                                                                    "html", img, target), 256)
+    assert ask("What colour is the header?") == "The header is green."
+    assert ask("How should the title be aligned?") == "The title is aligned to the right."
+    assert ask("Do you want a contact form?") == "I don't know, sorry."
+    draft = generate_tasks.design_page({"background": "white", "header": "red", "boxes": "3", "footer": "gray",
+                                        "title": "left"}, "Gym")
+    assert ask(f"Here is a draft. {draft}", renderer.render(draft)[0]) == "Not quite. The page background is dark."
+
+
+def test_html_turn_classes():
+    """Questions and drafts are good when they reveal a hidden fact not yet revealed; an answer when its
+    render matches every design fact (features given here; the browser path is tested above)."""
+    design = {"background": "dark", "header": "green", "boxes": "3", "footer": "gray", "title": "right"}
+    task = {"problem_description": "A page. The footer is gray. There are 3 boxes in a row.",
+            "hidden_information": "The page background is dark.\nThe header is green.\nThe title is aligned to the right."}
+    feats = {generate_tasks.design_page(design, "Gym"): design,
+             generate_tasks.design_page(dict(design, header="red"), "Gym"): dict(design, header="red"),
+             generate_tasks.design_page(dict(design, title="left"), "Gym"): dict(design, title="left")}
+    cls = lambda turn, dialogue=(): colbench.design_turn_class(task, [{"role": "user", "content": "hi"}, *dialogue],
+                                                               turn, False, feats.__getitem__)
+    right, red, left = feats
+    heard = [{"role": "assistant", "content": "?"}, {"role": "user", "content": "The header is green."}]
+    assert cls("What colour is the header?") == "good" and cls("What colour is the header?", heard) == "bad"
+    assert cls("Which font do you like?") == "bad"
+    assert cls(f"Draft: {red}") == "good" and cls(f"Draft: {red}", heard) == "bad"  # names the header, known by then
+    assert cls(f"Draft: {right}") == "bad"  # nothing left to reveal: the human approves it
+    assert cls(f"I WANT TO ANSWER: {right}") == "good" and cls(f"I WANT TO ANSWER: {left}") == "bad"
+    assert cls("I WANT TO ANSWER: no page") == "bad"
+    assert colbench.design_turn_class(task, [], right, True, feats.__getitem__) == "good"  # the last turn is the answer
+
+
+def test_compare_reports_html_similarity_win_rate_and_exact_design(tmp_path):
+    rows = lambda rewards, exact: "".join(json.dumps({"task": {"problem_description": "p", "ground_truth": "g"}, "task_id": f"t{i}",
+                                                     "sample": 0, "reward": r, "metric": "pixel_hist_v1", "success": e,
+                                                     "exact_design": e, "dialogue_history": []}) + "\n"
+                                          for i, (r, e) in enumerate(zip(rewards, exact)))
+    (tmp_path / "a.jsonl").write_text(rows([0.5, 0.8, 0.9, 0.3], [False, False, True, False]))
+    (tmp_path / "b.jsonl").write_text(rows([0.9, 0.8, 1.0, 0.2], [True, False, True, False]))
+    res = evaluate.main(common.parse_args(evaluate.Args, argv=["--compare", f"zero_shot={tmp_path / 'a.jsonl'},"
+                                                                f"sweet_rl={tmp_path / 'b.jsonl'}", "--summary", str(tmp_path / "r.json")]))
+    assert res == json.loads((tmp_path / "r.json").read_text()) and res["metric"] == "pixel_hist_v1"
+    s, z = res["methods"]["sweet_rl"], res["methods"]["zero_shot"]
+    assert s["similarity"] == pytest.approx(0.725) and z["exact_design"] == 0.25 and s["exact_design"] == 0.5
+    p = res["paired_vs_zero_shot"]["sweet_rl"]
+    assert p["diff"] == pytest.approx(0.1) and p["win_rate"] == pytest.approx((1 + 0.5 + 1 + 0) / 4)
+    assert p["win_rate_ci95"][0] <= p["win_rate"] <= p["win_rate_ci95"][1] and p["ci95"][0] <= p["diff"] <= p["ci95"][1]
+    (tmp_path / "c.jsonl").write_text(rows([0.5], [False]).replace("pixel_hist_v1", "clip:x"))
+    with pytest.raises(common.DataError, match="not comparable"):
+        evaluate.main(common.parse_args(evaluate.Args, argv=["--compare", f"a={tmp_path / 'a.jsonl'},c={tmp_path / 'c.jsonl'}"]))

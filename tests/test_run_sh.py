@@ -44,6 +44,15 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
     credit = json.loads((tmp_path / "run" / "pairs.jsonl.credit.json").read_text())  # every DPO pair judged once
     n_pairs = len((tmp_path / "run" / "pairs.jsonl").read_text().splitlines())
     assert set(credit["dpo_pairs"]) == {"right", "wrong", "same_class"} and sum(credit["dpo_pairs"].values()) == n_pairs
+    # credit.py --critics: the stored candidates scored anew; the same critic gives the same accuracy
+    run = tmp_path / "run"
+    subprocess.run([sys.executable, "credit.py", "--pairs", run / "pairs.jsonl", "--trajectories", run / "train_graded.jsonl",
+                    "--critics", f"again={run / 'critic'},no_info={run / 'critic_no_training_info'}"], cwd=ROOT, check=True)
+    again = json.loads((run / "pairs.jsonl.credit_rescored.json").read_text())
+    for new, old in (("again", "sweet"), ("no_info", "no_training_info")):
+        assert again["class_pairs"][new] == credit["class_pairs"][old]
+        assert again["credit_accuracy"][new] == credit["credit_accuracy"][old] or \
+            again["credit_accuracy"][new] == pytest.approx(credit["credit_accuracy"][old])
     assert "run directory" in p.stdout and "N_TEST=2" in p.stdout  # the settings in use are printed
     train = json.loads((tmp_path / "run" / "train_summary.json").read_text())
     assert train["num_trajectories"] == 6 and train["success_rate"] >= 0.5  # the oracle's half succeeds
@@ -53,20 +62,33 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
 
 
 def test_run_sh_html_loop(tiny_model, tmp_path):
-    """The frontend loop: oracle pages (similarity 1) against the tiny model's give critic pairs (gap >= 0.1)."""
+    """The frontend loop on procedural pages with hidden design facts: oracle dialogues (exact designs)
+    against the tiny model's give critic pairs; html turn classes, selection by similarity and results.json."""
     env = {**os.environ, "SETUP": "0", "PY": sys.executable, "RUN": str(tmp_path / "run"), "MODEL": tiny_model,
            "TASK_TYPE": "html", "WARMUP": "0", "N_TRAIN": "2", "N_TEST": "2", "SAMPLES": "1", "ORACLE_SAMPLES": "1",
-           "CANDIDATES": "2", "PAIRS_PER_STATE": "1", "DATA_FRACTION": "1.0", "MAX_TURNS": "1", "MAX_NEW_TOKENS": "8",
-           "LR_CRITIC": "1e-3", "LR_DPO": "1e-3", "CRITIC_EPOCHS": "1", "OMP_NUM_THREADS": "1"}
+           "CANDIDATES": "2", "PAIRS_PER_STATE": "1", "DATA_FRACTION": "1.0", "MAX_TURNS": "4", "MAX_NEW_TOKENS": "8",
+           "LR_CRITIC": "1e-3", "LR_DPO": "1e-3", "CRITIC_EPOCHS": "1", "OMP_NUM_THREADS": "1", "N_VAL": "2", "VAL_SAMPLES": "1"}
     p = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     table = (tmp_path / "run" / "results.txt").read_text()
-    assert "similarity metric: pixel_hist_v1" in table and "sweet_rl" in table
+    assert "similarity: pixel_hist_v1" in table and "sweet_rl" in table and "win rate" in table
     s = json.loads((tmp_path / "run" / "test_sweet_rl_summary.json").read_text())
-    assert s["metric"] == "pixel_hist_v1" and 0 <= s["win_rate"] <= 1
+    assert s["metric"] == "pixel_hist_v1" and 0 <= s["win_rate"] <= 1 and "exact_design" in s
+    res = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert res["metric"] == "pixel_hist_v1" and res["num_test_tasks"] == 2
+    m, p_ = res["methods"]["sweet_rl"], res["paired_vs_zero_shot"]["sweet_rl"]
+    assert m["ci95"][0] <= m["similarity"] <= m["ci95"][1] and m["similarity"] == pytest.approx(s["similarity"])
+    assert p_["win_rate"] == pytest.approx(s["win_rate"]) and p_["win_rate_ci95"][0] <= p_["win_rate"] <= p_["win_rate_ci95"][1]
+    assert set(res["credit_accuracy"]) == {"sweet", "no_training_info", "untrained"}
+    states = read(tmp_path / "run" / "pairs.jsonl.states.jsonl")  # every labelled state has its true classes
+    assert states and all(set(st["classes"]) <= {"good", "bad"} for st in states)
+    sel = json.loads((tmp_path / "run" / "select_sweet.json").read_text())
+    assert "similarity" in sel["methods"]["start"] and res["methods"]["sweet_rl"]["policy"] == sel["selected_policy"]
     train = read(tmp_path / "run" / "train_graded.jsonl")
-    assert max(r["reward"] for r in train) == 1.0 and min(r["reward"] for r in train) < 0.9
-    assert (tmp_path / "run" / "critic" / "config.json").exists() and (tmp_path / "run" / "policy_sweet" / "config.json").exists()
+    oracle = [r for r in train if r["sample"] == 1]
+    assert all(r["exact_design"] and r["reward"] == 1.0 for r in oracle) and min(r["reward"] for r in train) < 0.9
+    assert (tmp_path / "run" / "critic" / "config.json").exists() and (tmp_path / "run" / "results.png").exists()
+    assert (tmp_path / "run" / "report.html").exists()
 
 
 def read(path):

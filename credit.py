@@ -185,7 +185,7 @@ def rescore(pairs_path, trajectories, critic_dirs, max_len=16384, max_batch_toke
         common.refuse(not (Path(d) / "run_settings.json").exists()
                       and f"--critics {name}={d}: no run_settings.json (expected a train_critic.py output directory)")
         settings[name] = json.loads((Path(d) / "run_settings.json").read_text())
-    refs = {s["model"] for s in settings.values()}
+    refs = {str(Path(s["model"]).resolve()) if Path(s["model"]).exists() else s["model"] for s in settings.values()}
     common.refuse(len(refs) > 1 and f"--critics start from different models ({', '.join(sorted(refs))}): one pi_ref for all")
     device = models.local_device()
     ref_name = refs.pop()

@@ -49,7 +49,7 @@ TOP_P=${TOP_P:-1.0}                   # nucleus sampling of every rollout (1.0: 
 MAX_TURNS=${MAX_TURNS:-10}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-$([ "${TASK_TYPE:-code}" = html ] && echo 192 || echo 96)}  # a procedural page is 122-161 tokens
 LR_WARMUP=${LR_WARMUP:-1e-4}
-LR_CRITIC=${LR_CRITIC:-5e-5}
+LR_CRITIC=${LR_CRITIC:-1e-4}          # chosen by turn-credit accuracy on the stored candidates of SEED=0 (docs/curriculum.md)
 LR_DPO=${LR_DPO:-6e-6}               # chosen on validation tasks (seed 100) over 3e-6 and 1e-5 (docs/curriculum.md, "How far turn-level DPO moves the policy")
 TRAIN_LAYERS=${TRAIN_LAYERS:-$([ "$MODEL" = embedded ] && echo 10 || echo 0)}  # critic/DPO train only the top N layers (0 = all; README, deviations)
 CRITIC_EPOCHS=${CRITIC_EPOCHS:-2}

@@ -9,8 +9,7 @@ critic is scored on every two candidates of a state whose classes differ (turn-c
 the DPO pairs are counted as the true classes call them: right, wrong, or same class.
 
     python credit.py --pairs runs/default/pairs.jsonl   # report again, e.g. after `cat` of shard files
-    python credit.py --pairs runs/default/pairs.jsonl --trajectories runs/default/train_graded.jsonl \
-        --critics lr1e-4=runs/critic_lr1e-4,sweet=runs/default/critic   # score the stored candidates anew
+    python credit.py --pairs runs/default/pairs.jsonl --trajectories runs/default/train_graded.jsonl --critics mine=DIR
 
 With --critics, each critic (a train_critic.py output, e.g. of an edited critic variant) scores the
 candidates already in the states file, so variants are compared on identical turns without sampling

@@ -208,12 +208,18 @@ def run(main, cls, doc):
 
 
 def close_distributed():
-    """Under torchrun, leave the process group once every rank is done: a rank that exits with gloo's
-    threads still running can abort at shutdown ('terminate called without an active exception')."""
+    """Under torchrun, leave the process group once every rank is done, then exit at once: the FSDP
+    modules still hold the group, and freeing gloo's threads during interpreter shutdown can abort a
+    finished rank ("terminate called without an active exception", SIGABRT: rare, seen once in CI),
+    which fails the whole torchrun. Every output is written and flushed by now (JsonlWriter flushes
+    each row; checkpoints end in a barrier)."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -95,7 +95,13 @@ def credit_accuracy(states, name):
     """Turn-credit accuracy of one critic over labelled states: among every two candidates of a state
     whose ground-truth classes differ, the share where the critic gives the good one the higher
     advantage (ties count half). Returns (accuracy or None, number of such pairs)."""
-    hits, n = 0.0, 0
+    scores = [hit for *_, hit in class_pairs(states, name)]
+    return (sum(scores) / len(scores) if scores else None), len(scores)
+
+
+def class_pairs(states, name):
+    """(state, good candidate's index, bad candidate's index, 1 / 0.5 / 0 as the critic `name` orders them;
+    ties half) for every two candidates of a labelled state whose true classes differ."""
     for s in states:
         cls, adv = s.get("classes"), s.get("advantages_by_critic", {}).get(name)
         if not cls or adv is None:
@@ -103,9 +109,7 @@ def credit_accuracy(states, name):
         for i in range(len(cls)):
             for j in range(len(cls)):
                 if cls[i] == "good" and cls[j] == "bad":
-                    n += 1
-                    hits += 1.0 if adv[i] > adv[j] else 0.5 if adv[i] == adv[j] else 0.0
-    return (hits / n if n else None), n
+                    yield s, i, j, 1.0 if adv[i] > adv[j] else 0.5 if adv[i] == adv[j] else 0.0
 
 
 def turn_kind(candidate):
@@ -117,14 +121,10 @@ def credit_by_kind(states, name):
     """credit_accuracy split by what the two candidates are, e.g. 'good answer > bad question' (an informed
     state: answering beats asking again): {split: [accuracy, pairs]}."""
     hits = {}
-    for s in states:
-        cls, adv = s.get("classes"), s.get("advantages_by_critic", {}).get(name)
-        if not cls or adv is None:
-            continue
-        for i, j in ((i, j) for i in range(len(cls)) for j in range(len(cls)) if cls[i] == "good" and cls[j] == "bad"):
-            h = hits.setdefault(f"good {turn_kind(s['candidates'][i])} > bad {turn_kind(s['candidates'][j])}", [0.0, 0])
-            h[0] += 1.0 if adv[i] > adv[j] else 0.5 if adv[i] == adv[j] else 0.0
-            h[1] += 1
+    for s, i, j, hit in class_pairs(states, name):
+        h = hits.setdefault(f"good {turn_kind(s['candidates'][i])} > bad {turn_kind(s['candidates'][j])}", [0.0, 0])
+        h[0] += hit
+        h[1] += 1
     return {k: [round(h / n, 4), n] for k, (h, n) in sorted(hits.items())}
 
 
@@ -174,20 +174,12 @@ def report(out_path, critics=None):
 def rescore(pairs_path, trajectories, critic_dirs, max_len=16384, max_batch_tokens=65536):
     """Turn-credit accuracy of critics (name -> train_critic.py output) on the candidates stored in
     PAIRS.states.jsonl, scored anew as label_turns.py scores them; written to PAIRS.credit_rescored.json."""
-    import torch
     import label_turns  # the scoring itself (imports this module; only needed here)
     import models
     states = [r for _, r in common.read_jsonl(Path(f"{pairs_path}.states.jsonl")) if r.get("classes")]
     trajs = {(t["task_id"], t.get("sample", 0)): t for t in colbench.load_graded(trajectories)}
-    settings = {}
-    for name, d in critic_dirs.items():
-        common.refuse(not (Path(d) / "run_settings.json").exists()
-                      and f"--critics {name}={d}: no run_settings.json (expected a train_critic.py output directory)")
-        settings[name] = json.loads((Path(d) / "run_settings.json").read_text())
-    refs = {str(Path(s["model"]).resolve()) if Path(s["model"]).exists() else s["model"] for s in settings.values()}
-    common.refuse(len(refs) > 1 and f"--critics start from different models ({', '.join(sorted(refs))}): one pi_ref for all")
+    settings, ref_name = label_turns.load_critics(critic_dirs)
     device = models.local_device()
-    ref_name = refs.pop()
     critics = {name: models.load_model(d, device).eval() for name, d in critic_dirs.items()}
     scorer = label_turns.Scorer(models.load_tokenizer(ref_name), critics, settings,
                                 models.load_model(ref_name, device).eval(), max_len, 0, max_batch_tokens)
@@ -196,9 +188,7 @@ def rescore(pairs_path, trajectories, critic_dirs, max_len=16384, max_batch_toke
         if traj is None:
             raise common.DataError(f"{pairs_path}.states.jsonl: task {s['task_id']} sample {s['sample']} is not in "
                                    f"{trajectories} (pass the trajectories label_turns.py read)")
-        with torch.no_grad():
-            s["advantages_by_critic"] = scorer.advantages(traj["task"], colbench.agent_turns(traj)[s["turn"]][0],
-                                                          s["candidates"])
+        s["advantages_by_critic"] = scorer.advantages(traj["task"], colbench.agent_turns(traj)[s["turn"]][0], s["candidates"])
         s["advantages_by_critic"]["untrained"] = [0.0] * len(s["candidates"])
     out = {"states": len(states), "critics": critic_dirs, "credit_accuracy": {}, "class_pairs": {}}
     for name in [*critic_dirs, "untrained"]:

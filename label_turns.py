@@ -130,14 +130,7 @@ def main(args):
                   any("=" not in kv for kv in args.credit_critics.split(",") if kv)
                   and f"--credit_critics {args.credit_critics}: expected NAME=DIR,NAME=DIR")
     critic_dirs = {"sweet": args.critic, **dict(kv.split("=", 1) for kv in args.credit_critics.split(",") if kv)}
-    for name, d in critic_dirs.items():
-        common.refuse(not (Path(d) / "run_settings.json").exists()
-                      and f"critic {name}={d}: no run_settings.json (expected a train_critic.py output directory)")
-    critic_settings = {name: json.loads((Path(d) / "run_settings.json").read_text()) for name, d in critic_dirs.items()}
-    settings = critic_settings["sweet"]
-    ref_name = settings["model"]
-    common.refuse(*[s["model"] != ref_name and f"critic {name} starts from {s['model']}, the main critic from {ref_name}: "
-                    f"one pi_ref for all" for name, s in critic_settings.items()])
+    critic_settings, ref_name = load_critics(critic_dirs)
     policy_name = args.policy or ref_name
     if args.agent_backend == "vllm":
         models.pin_gpu()  # before anything touches CUDA: this rank's engine and models on its own GPU
@@ -168,6 +161,21 @@ def main(args):
     state_log.close()
     credit.report(out_path, list(critic_dirs))
     print(f"wrote {out_path}")
+
+
+def load_critics(critic_dirs):
+    """({name: run_settings of each train_critic.py output}, pi_ref): every critic must start from one pi_ref
+    (paths compared resolved)."""
+    for name, d in critic_dirs.items():
+        common.refuse(not (Path(d) / "run_settings.json").exists()
+                      and f"critic {name}={d}: no run_settings.json (expected a train_critic.py output directory)")
+    settings = {name: json.loads((Path(d) / "run_settings.json").read_text()) for name, d in critic_dirs.items()}
+    same = lambda m: str(Path(m).resolve()) if Path(m).exists() else m
+    first = next(iter(settings))
+    ref_name = settings[first]["model"]
+    common.refuse(*[same(s["model"]) != same(ref_name) and f"critic {name} starts from {s['model']}, critic {first} "
+                    f"from {ref_name}: one pi_ref for all" for name, s in settings.items()])
+    return settings, ref_name
 
 
 class Scorer:

@@ -15,10 +15,12 @@ cd "$(dirname "$0")"
 if [ "${SMALL:-0}" = 1 ]; then
   : "${N_TRAIN:=12}" "${N_TEST:=12}" "${N_WARMUP:=60}" "${SAMPLES:=2}" "${CANDIDATES:=4}" "${DATA_FRACTION:=0.2}"
 fi
-if [ "${TASK_TYPE:-code}" = html ] && [ "${SMALL:-0}" != 1 ] && [ -z "${TRAIN_TASKS:-}${TEST_TASKS:-}" ]; then  # procedural pages cost
-  # about 3x a code turn in every stage:
-  : "${N_TEST:=150}" "${N_WARMUP:=60}" "${N_TRAIN:=30}" "${N_VAL:=25}" "${CANDIDATES:=6}" "${DATA_FRACTION:=0.25}" "${WARMUP_TRIES:=1}"
-fi                                    # fewer of everything, to fit the hour (docs/frontend.md)
+if [ "${TASK_TYPE:-code}" = html ] && [ "${SMALL:-0}" != 1 ] && [ -z "${TRAIN_TASKS:-}${TEST_TASKS:-}" ]; then
+  # procedural pages (docs/frontend.md): the warm-up needs more dialogues than code's to write the stated facts
+  # into its page; the rest is sized to fit the hour
+  : "${N_TEST:=150}" "${N_WARMUP:=240}" "${ORACLE_HASTY:=0.6}" "${WARMUP_TRIES:=1}" "${N_TRAIN:=30}" "${N_VAL:=25}"
+  : "${CANDIDATES:=6}" "${DATA_FRACTION:=0.25}"
+fi
 TRAIN_TASKS=${TRAIN_TASKS:-}          # ColBench data (a JSONL or a `datasets` folder) instead of procedural train tasks
 TEST_TASKS=${TEST_TASKS:-}            # ... and test tasks
 if [ -n "$TRAIN_TASKS$TEST_TASKS" ]; then  # ColBench data: the released settings, unless set

@@ -17,7 +17,7 @@ if [ "${SMALL:-0}" = 1 ]; then
 fi
 if [ "${TASK_TYPE:-code}" = html ] && [ "${SMALL:-0}" != 1 ] && [ -z "${TRAIN_TASKS:-}${TEST_TASKS:-}" ]; then
   # procedural pages (docs/frontend.md): the warm-up needs more dialogues than code's to write the stated facts
-  # into its page; the rest is sized to fit the hour
+  # into its page; the rest is smaller than code's, as a page costs ~3x a code turn (the first run still took 90+ min)
   : "${N_TEST:=150}" "${N_WARMUP:=240}" "${ORACLE_HASTY:=0.6}" "${WARMUP_TRIES:=1}" "${N_TRAIN:=30}" "${N_VAL:=25}"
   : "${CANDIDATES:=6}" "${DATA_FRACTION:=0.25}"
 fi

@@ -86,7 +86,7 @@ def grade_html(rows, args):
         failures = pool.failures
     scores = sim([img for img, _ in answers], [targets[r["task_id"]][0] for r in rows])
     for r, s, (img, ok) in zip(rows, scores, answers):
-        r.update(reward=float(s), metric=sim.metric, rendered=ok)
+        r.update(reward=float(s), metric=sim.metric, rendered=ok, target_rendered=targets[r["task_id"]][1])
         design = colbench.design_of(r["task"]) if r["task"].get("hidden_information") else {}
         if design:
             r["success"] = r["exact_design"] = bool(r["answer"]) and not colbench.design_mismatches(design, render.design_features(img))
@@ -289,6 +289,33 @@ def compare(args):
     return res
 
 
+GRADING = ("task_type", "released_semantics", "timeout", "clip_model")  # the settings a grade depends on
+
+
+def graded_before(rows, args):
+    """(rows, extra) from --output when it already grades exactly these trajectories with the same GRADING
+    settings (a resumed run.sh), else None. Delete --output to grade again, e.g. after changing the grader."""
+    settings = f"{args.output}.run_settings.json"
+    if not (args.output and os.path.exists(args.output) and os.path.exists(settings)):
+        return None
+    try:
+        before = json.load(open(settings))
+        old = [r for _, r in common.read_jsonl(args.output)]
+    except (ValueError, common.DataError):
+        return None
+    if any(before.get(k) != getattr(args, k) for k in GRADING) or len(old) != len(rows) or \
+            any(any(o.get(k) != v for k, v in r.items()) for o, r in zip(old, rows)):
+        return None
+    extra = {"released_semantics": args.released_semantics}
+    if args.task_type == "html":  # failures as grade_html counts them: each answer, and each task's target once
+        if not old or any("target_rendered" not in r for r in old):
+            return None  # graded before target_rendered was recorded
+        extra = {"metric": old[0]["metric"], "render_failures": sum(not r["rendered"] for r in old)
+                 + len({r["task_id"] for r in old if not r["target_rendered"]})}
+    print(f"reusing {args.output}: it grades these {len(rows)} trajectories with the same settings (delete it to grade again)")
+    return old, extra
+
+
 def main(args):
     if args.compare:
         return compare(args)
@@ -300,11 +327,14 @@ def main(args):
                   not args.input and "--input is required (or --compare NAME=GRADED,...)")
     common.check_writable(args.output, args.summary)  # before grading: a bad path loses no work
     rows = load_trajectories(args.input, args.task_type)
-    if args.task_type == "html":
+    graded = graded_before(rows, args)
+    if graded:
+        rows, extra = graded
+    elif args.task_type == "html":
         rows, extra = grade_html(rows, args)
     else:
         rows, extra = grade_all(rows, args), {"released_semantics": args.released_semantics}
-    if args.output:
+    if args.output and not graded:
         common.write_jsonl(args.output, rows)
         common.save_run_settings(f"{args.output}.run_settings.json", args)
     s = {**summarize(rows, args.k), **extra}

@@ -151,6 +151,10 @@ def test_html_rollout_and_evaluation_end_to_end(tiny_model, simulator_url, tmp_p
     assert oracle["exact_design"] == 1.0 and oracle["mean_turns"] > 1  # it asked or showed drafts before answering
     assert tiny["similarity"] < 1.0 and tiny["win_rate"] == 0.0  # the random model never beats the target itself
     assert all(r["metric"] == "pixel_hist_v1" for r in read_jsonl(tmp_path / "rg.jsonl"))
+    again = run_script("evaluate.py", "--task_type", "html", "--input", tmp_path / "r.jsonl", "--output", tmp_path / "rg.jsonl",
+                       "--summary", tmp_path / "rs.json", "--reference", tmp_path / "og.jsonl")  # a resumed run: no rendering
+    assert "reusing" in again.stdout and "answer pages" not in again.stderr
+    assert json.loads((tmp_path / "rs.json").read_text()) == tiny
     assert evaluate.win_rate([{"task_id": "a", "reward": 0.5}], [{"task_id": "a", "reward": 0.5}]) == 0.5
 
 

@@ -132,6 +132,21 @@ def test_evaluate_accepts_released_schema_without_ids(tmp_path, task_files):
     s = json.loads((tmp_path / "s.json").read_text())
     assert (s["success_rate"], s["best_of_k_success"], s["num_tasks"]) == (0.5, 1.0, 2)
     assert [r["sample"] for r in read_jsonl(tmp_path / "g.jsonl")] == [0, 1, 0, 1]
+    # a rerun (run.sh resumed) reuses the grades of the same trajectories and settings: a marked grade survives
+    graded = read_jsonl(tmp_path / "g.jsonl")
+    (tmp_path / "g.jsonl").write_text("".join(json.dumps(dict(r, success=False) if i == 0 else r) + "\n"
+                                              for i, r in enumerate(graded)))
+    args = ("--input", tmp_path / "t.jsonl", "--output", tmp_path / "g.jsonl", "--k", "2", "--summary", tmp_path / "s.json")
+    assert "reusing" in run_script("evaluate.py", *args).stdout
+    assert json.loads((tmp_path / "s.json").read_text())["success_rate"] == 0.25
+    assert "reusing" not in run_script("evaluate.py", *args, "--timeout", "20").stdout  # other settings: graded again
+    assert json.loads((tmp_path / "s.json").read_text())["success_rate"] == 0.5
+    graded = read_jsonl(tmp_path / "g.jsonl")  # other trajectories (the same settings): graded again
+    (tmp_path / "g.jsonl").write_text("".join(json.dumps(dict(r, success=False)) + "\n" for r in graded))
+    rows[1]["answer"] = tasks[0]["ground_truth"]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert "reusing" not in run_script("evaluate.py", *args, "--timeout", "20").stdout
+    assert json.loads((tmp_path / "s.json").read_text())["success_rate"] == 0.75
     (tmp_path / "bad.jsonl").write_text(json.dumps({"task": tasks[0]}) + "\n")
     with pytest.raises(common.DataError, match=r"bad.jsonl:1: missing field 'dialogue_history'"):
         __import__("evaluate").load_trajectories(tmp_path / "bad.jsonl")

@@ -210,7 +210,7 @@ def compare(args):
     common.check_writable(args.summary)
     runs = dict(kv.split("=", 1) for kv in args.compare.split(","))
     policies = dict(kv.split("=", 1) for kv in args.policies.split(",") if kv)
-    per_task, tests, outcomes, exact, metric = {}, {}, {}, {}, None
+    per_task, tests, outcomes, exact, exact_task, metric = {}, {}, {}, {}, {}, None
     for name, path in runs.items():
         rows = [r for _, r in common.read_jsonl(path)]
         if all("family" in r["task"] for r in rows):  # procedural code tasks: where the dialogues ended
@@ -232,6 +232,7 @@ def compare(args):
         tests[name] = sum(r["reward"] for r in rows) / len(rows)
         if html and all("exact_design" in r for r in rows):
             exact[name] = sum(r["exact_design"] for r in rows) / len(rows)
+            exact_task[name] = {t: sum(r["exact_design"] for r in v) / len(v) for t, v in by.items()}
     html = metric != "success"
     score = "similarity" if html else "success"
     base = next(iter(runs))
@@ -253,6 +254,9 @@ def compare(args):
             if html:  # a task is won when its similarity is higher; ties count half
                 wins = [1.0 if x > 0 else 0.5 if x == 0 else 0.0 for x in d]
                 paired[name].update(win_rate=sum(wins) / len(wins), win_rate_ci95=bootstrap_ci(wins, args.bootstrap))
+            if name in exact_task and base in exact_task:  # the similarity barely sees some design facts
+                e = [exact_task[name][t] - exact_task[base][t] for t in tasks]
+                paired[name].update(exact_design_diff=sum(e) / len(e), exact_design_ci95=bootstrap_ci(e, args.bootstrap))
     if args.credit:
         res["credit_accuracy"] = json.loads(open(args.credit).read())["credit_accuracy"]
     last = "exact design" if html else "tests passed"
@@ -274,6 +278,10 @@ def compare(args):
         print(line)
     print(f"({len(tasks)} tasks; {'similarity: ' + metric + '; ' if html else ''}95% intervals: bootstrap over tasks, "
           f"{args.bootstrap} resamples)")
+    for name, p in paired.items():
+        if "exact_design_diff" in p:
+            print(f"exact design, {name} vs {base}: {100 * p['exact_design_diff']:+.1f} "
+                  f"[{100 * p['exact_design_ci95'][0]:+.1f}, {100 * p['exact_design_ci95'][1]:+.1f}] (paired)")
     if outcomes:
         print("where the dialogues ended: " + " / ".join(colbench.OUTCOMES))
         for name, o in outcomes.items():

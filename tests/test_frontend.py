@@ -235,6 +235,7 @@ def test_compare_reports_html_similarity_win_rate_and_exact_design(tmp_path):
     p = res["paired_vs_zero_shot"]["sweet_rl"]
     assert p["diff"] == pytest.approx(0.1) and p["win_rate"] == pytest.approx((1 + 0.5 + 1 + 0) / 4)
     assert p["win_rate_ci95"][0] <= p["win_rate"] <= p["win_rate_ci95"][1] and p["ci95"][0] <= p["diff"] <= p["ci95"][1]
+    assert p["exact_design_diff"] == pytest.approx(0.25) and p["exact_design_ci95"] == [0.0, 0.75]  # one task of 4 gained
     (tmp_path / "c.jsonl").write_text(rows([0.5], [False]).replace("pixel_hist_v1", "clip:x"))
     with pytest.raises(common.DataError, match="not comparable"):
         evaluate.main(common.parse_args(evaluate.Args, argv=["--compare", f"a={tmp_path / 'a.jsonl'},c={tmp_path / 'c.jsonl'}"]))

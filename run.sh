@@ -17,7 +17,7 @@ if [ "${SMALL:-0}" = 1 ]; then
 fi
 if [ "${TASK_TYPE:-code}" = html ] && [ "${SMALL:-0}" != 1 ] && [ -z "${TRAIN_TASKS:-}${TEST_TASKS:-}" ]; then
   # procedural pages (docs/frontend.md): the warm-up needs more dialogues than code's to write the stated facts
-  # into its page; the rest is smaller than code's, as a page costs ~3x a code turn (the first run still took 90+ min).
+  # into its page; the rest is smaller than code's, as a page costs ~3x a code turn (the first run took ~110 min).
   # WARM_BAND: on SEED=0 the start's exact-design rate was 18% at hasty 0.6, 24% at 0.5 and 24% at 0.4, so html's
   # band starts lower than code's and hasty starts at 0.5; LR_CRITIC: html turn-credit accuracy on SEED=0's stored
   # candidates, 0.661 at 1e-4 and 0.712 at 3e-4 (docs/frontend.md)

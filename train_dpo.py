@@ -29,6 +29,7 @@ Deviations from the paper / released code:
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -62,8 +63,9 @@ class Args:
     """weight of the NLL of the chosen turn (lambda)"""
     lr: float = 2e-7
     """AdamW learning rate (paper: 2e-7 for 8B)"""
-    epochs: int = 1
-    """passes over the data"""
+    epochs: float = 1
+    """passes over the data; a fraction ends the last pass early (run.sh's html default, 0.67: the end of a
+    whole pass drifted toward never answering, docs/frontend.md)"""
     batch_size: int = 8
     """pairs (or trajectories) per optimizer step, over all ranks"""
     max_len: int = 16384
@@ -105,6 +107,13 @@ def dpo_loss(logp_c, logp_r, ref_c, ref_r, beta):
 def snapshot_schedule(num_steps, n):
     """The steps after which --snapshots N saves the policy: N evenly spaced, before the last step."""
     return sorted({round(num_steps * i / (n + 1)) for i in range(1, n + 1)} - {0, num_steps})
+
+
+def training_batches(n, batch_size, epochs, seed):
+    """common.batch_order over ceil(epochs) passes, cut to round(epochs x steps per pass) steps (at least 1)."""
+    passes = math.ceil(epochs)
+    batches = common.batch_order(n, batch_size, passes, seed)
+    return batches[:max(1, round(len(batches) * epochs / passes))]
 
 
 def state_groups(examples):
@@ -159,7 +168,7 @@ def main(args):
                   args.task_type not in ("code", "html") and f"--task_type {args.task_type}: choose code or html",
                   args.sft_on not in ("success", "all") and f"--sft_on {args.sft_on}: choose success or all",
                   args.beta <= 0 and "--beta must be positive", args.lr <= 0 and "--lr must be positive",
-                  args.nll_coef < 0 and "--nll_coef must be >= 0", args.epochs < 1 and "--epochs must be at least 1",
+                  args.nll_coef < 0 and "--nll_coef must be >= 0", args.epochs <= 0 and "--epochs must be positive",
                   *models.precision_problems(args),
                   args.batch_size < 1 and "--batch_size must be at least 1", args.save_every < 0 and "--save_every must be >= 0",
                   args.resume and not Path(args.output_dir, "resume").exists() and not Path(args.output_dir, "resume.old").exists()
@@ -234,7 +243,7 @@ def main(args):
     order = {"batch_size": args.batch_size, "seed": args.seed, "epochs": args.epochs}  # what the data order depends on
     start = common.load_training_state(model, opt, out / "resume", order) if args.resume else 0
     log = common.TrainingLog(out, start, rank)
-    batches = common.batch_order(len(examples), args.batch_size, args.epochs, args.seed)
+    batches = training_batches(len(examples), args.batch_size, args.epochs, args.seed)
     snapshot_steps = snapshot_schedule(len(batches), args.snapshots)
     for step, (epoch, batch) in enumerate(batches, 1):
         if step <= start:

@@ -65,4 +65,4 @@ def test_plots(tmp_path):
     run_script("view.py", "--plots", tmp_path)
     for name in ("results.png", "training.png"):
         im = Image.open(tmp_path / name)
-        assert im.size[0] > 300 and len(set(im.convert("L").getdata())) > 10  # a real drawing, not a blank canvas
+        assert im.size[0] > 300 and len(set(im.convert("L").tobytes())) > 10  # a real drawing, not a blank canvas

@@ -89,6 +89,8 @@ def test_run_sh_html_loop(tiny_model, tmp_path):
     assert all(r["exact_design"] and r["reward"] == 1.0 for r in oracle) and min(r["reward"] for r in train) < 0.9
     assert (tmp_path / "run" / "critic" / "config.json").exists() and (tmp_path / "run" / "results.png").exists()
     assert (tmp_path / "run" / "report.html").exists()
+    dpo = json.loads((tmp_path / "run" / "policy_sweet" / "run_settings.json").read_text())
+    assert dpo["epochs"] == 0.67 and dpo["snapshots"] == 1  # html's update: 2/3 of a pass, one snapshot
 
 
 def read(path):

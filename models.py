@@ -112,8 +112,8 @@ def load_model(name, device, grad_ckpt=False, dtype=None, train_layers=0):
     attn = "flash_attention_2" if device.type == "cuda" and importlib.util.find_spec("flash_attn") else "sdpa"
     model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype, attn_implementation=attn).to(device)
     if grad_ckpt:
-        # activation_checkpointing_enable is the name from transformers 5.2x; gradient_checkpointing_enable (5.19,
-        # which vLLM pins) warns from then on that it is deprecated
+        # transformers 5.23 names it activation_checkpointing_enable and warns on the old name; older
+        # versions have only the old name
         getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
         model.config.use_cache = False
     if train_layers:

@@ -9,6 +9,7 @@ Nothing here is stage logic; a helper lives here only when two or more stages ne
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -760,13 +761,14 @@ def precompute(model, items, fn, rank, world, desc="reference log-probs"):
 
 def batch_order(n, batch_size, epochs, seed):
     """Global batches of example indices [(epoch, [i, ...])], shuffled each epoch; the same on every
-    rank, and the same after a restart (it depends only on these arguments)."""
-    rng, out = random.Random(seed), []
-    for epoch in range(epochs):
+    rank, and the same after a restart (it depends only on these arguments). A fractional epochs ends
+    the last pass early: the first round(epochs x batches per pass) batches (at least 1) of ceil(epochs) passes."""
+    rng, out, passes = random.Random(seed), [], math.ceil(epochs)
+    for epoch in range(passes):
         order = list(range(n))
         rng.shuffle(order)
         out += [(epoch, order[b:b + batch_size]) for b in range(0, n, batch_size)]
-    return out
+    return out[:max(1, round(len(out) * epochs / passes))]
 
 
 class TrainingLog:

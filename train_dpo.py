@@ -29,7 +29,6 @@ Deviations from the paper / released code:
 """
 from __future__ import annotations
 
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -107,13 +106,6 @@ def dpo_loss(logp_c, logp_r, ref_c, ref_r, beta):
 def snapshot_schedule(num_steps, n):
     """The steps after which --snapshots N saves the policy: N evenly spaced, before the last step."""
     return sorted({round(num_steps * i / (n + 1)) for i in range(1, n + 1)} - {0, num_steps})
-
-
-def training_batches(n, batch_size, epochs, seed):
-    """common.batch_order over ceil(epochs) passes, cut to round(epochs x steps per pass) steps (at least 1)."""
-    passes = math.ceil(epochs)
-    batches = common.batch_order(n, batch_size, passes, seed)
-    return batches[:max(1, round(len(batches) * epochs / passes))]
 
 
 def state_groups(examples):
@@ -243,7 +235,7 @@ def main(args):
     order = {"batch_size": args.batch_size, "seed": args.seed, "epochs": args.epochs}  # what the data order depends on
     start = common.load_training_state(model, opt, out / "resume", order) if args.resume else 0
     log = common.TrainingLog(out, start, rank)
-    batches = training_batches(len(examples), args.batch_size, args.epochs, args.seed)
+    batches = common.batch_order(len(examples), args.batch_size, args.epochs, args.seed)
     snapshot_steps = snapshot_schedule(len(batches), args.snapshots)
     for step, (epoch, batch) in enumerate(batches, 1):
         if step <= start:

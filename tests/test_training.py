@@ -346,9 +346,9 @@ def test_label_turns_then_dpo_modes(tiny_model, tmp_path):
         assert moved(weights[0], weights[1]) > 0 and moved(weights[1], weights[2]) > 0
     assert train_dpo.snapshot_schedule(53, 2) == [18, 35] and train_dpo.snapshot_schedule(1, 2) == []
     # --epochs 0.67 (run.sh html): the first 23 of a pass's 34 steps, in the whole pass's order
-    whole, part = train_dpo.training_batches(270, 8, 1, 0), train_dpo.training_batches(270, 8, 0.67, 0)
+    whole, part = common.batch_order(270, 8, 1, 0), common.batch_order(270, 8, 0.67, 0)
     assert len(whole) == 34 and part == whole[:23] and train_dpo.snapshot_schedule(len(part), 1) == [12]
-    assert len(train_dpo.training_batches(270, 8, 1.5, 0)) == 51 and len(train_dpo.training_batches(3, 8, 0.1, 0)) == 1
+    assert len(common.batch_order(270, 8, 1.5, 0)) == 51 and len(common.batch_order(3, 8, 0.1, 0)) == 1
 
 
 def test_nll_term_is_mean_chosen_nll(tok_model, tiny_model, tmp_path):

@@ -8,6 +8,7 @@ Nothing here is stage logic; a helper lives here only when two or more stages ne
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -374,9 +375,10 @@ def tokenize_turns(tokenizer, turns, prefix="", max_len=None):
     return seqs
 
 
-def sequence_logprobs(model, ids, turn_of, chunk=1024):
+def sequence_logprobs(model, ids, turn_of, chunk=1024, bottom=None):
     """Log-probs of the agent tokens of one sequence, in one forward pass. Logits are computed only
-    at the positions that predict an agent token, and the log-softmax in chunks of rows.
+    at the positions that predict an agent token, and the log-softmax in chunks of rows. With a
+    FrozenBottom, only the layers above it run, on its kept hidden states.
     Returns (logp [n_agent_tokens], turn index of each [n_agent_tokens])."""
     import torch
     device = next(model.parameters()).device
@@ -385,7 +387,9 @@ def sequence_logprobs(model, ids, turn_of, chunk=1024):
     target_pos = (turn_t[1:] >= 0).nonzero().squeeze(1) + 1  # tokens scored (the first token never is)
     if len(target_pos) == 0:
         return torch.zeros(0, device=device), turn_t[:0]
-    logits = model(input_ids=ids_t, logits_to_keep=target_pos - 1).logits[0]  # [n_agent_tokens, vocab]
+    inputs = {"input_ids": ids_t} if bottom is None else {"inputs_embeds": bottom.hidden(model, ids)}
+    with bottom.top(model) if bottom is not None else contextlib.nullcontext():
+        logits = model(**inputs, logits_to_keep=target_pos - 1).logits[0]  # [n_agent_tokens, vocab]
     return token_logprobs(logits, ids_t[0, target_pos], chunk), turn_t[target_pos]
 
 
@@ -396,7 +400,7 @@ def token_logprobs(logits, targets, chunk=1024):
                       for rows, t in zip(logits.split(chunk), targets.split(chunk))])
 
 
-def turn_logprobs(model, seqs, num_turns):
+def turn_logprobs(model, seqs, num_turns, bottom=None):
     """Per-turn (sum, count) of agent-token log-probs over a trajectory's sequences.
     sum: [num_turns] float (differentiable), count: [num_turns] tokens per turn. mean = sum / count."""
     import torch
@@ -404,18 +408,19 @@ def turn_logprobs(model, seqs, num_turns):
     total = torch.zeros(num_turns, device=device)
     count = torch.zeros(num_turns, device=device)
     for ids, turn_of in seqs:
-        logp, turn = sequence_logprobs(model, ids, turn_of)
+        logp, turn = sequence_logprobs(model, ids, turn_of, bottom=bottom)
         total = total.index_add(0, turn, logp)
         count = count.index_add(0, turn, torch.ones_like(logp))
     return total, count
 
 
-def shared_prefix_turn_logprobs(model, trajs, chunk=1024):
+def shared_prefix_turn_logprobs(model, trajs, chunk=1024, bottom=None):
     """turn_logprobs of trajectories [(seqs, num_turns)] that begin alike (a critic pair: the same c and
     first prompt): their common prefix, up to the first agent token, runs once, then the rest of each on
     a copy of its KV cache (no padding), with gradients through the cache. Equal to turn_logprobs of
     each (tests check 1e-4, gradients too). Falls back to that when a trajectory has several sequences
-    or nothing is shared. Needs a KV cache (not with activation checkpointing)."""
+    or nothing is shared. Needs a KV cache (not with activation checkpointing). With a FrozenBottom,
+    the same runs only the layers above it, on its kept hidden states."""
     import torch
     from transformers import DynamicCache
     ids = [seqs[0][0] for seqs, _ in trajs]
@@ -424,26 +429,101 @@ def shared_prefix_turn_logprobs(model, trajs, chunk=1024):
     p = next((i for i in range(p) if any(x[i] != ids[0][i] for x in ids)), p)  # ... and the same in all
     agent = [[a for a in range(p, len(x)) if o[a] >= 0] for x, o in zip(ids, tof)]  # positions scored
     if any(len(seqs) != 1 for seqs, _ in trajs) or p < 1 or not all(agent):
-        return [turn_logprobs(model, seqs, n) for seqs, n in trajs]
+        return [turn_logprobs(model, seqs, n, bottom) for seqs, n in trajs]
     device = next(model.parameters()).device
-    out = model(input_ids=torch.tensor([ids[0][:p]], device=device), use_cache=True, logits_to_keep=1)
-    first = out.logits[0, -1]  # predicts token p of every trajectory
-    prefix_kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-    results = []
-    for (seqs, n), x, o, pos in zip(trajs, ids, tof, agent):
-        cache = DynamicCache()  # a fresh cache on the prefix's tensors: a rest appends to it, never to them
-        for layer, (k, v) in enumerate(prefix_kv):
-            cache.update(k, v, layer)
-        need = [a - p - 1 for a in pos if a > p]  # rest position j predicts token p + j + 1
-        logits = model(input_ids=torch.tensor([x[p:]], device=device), past_key_values=cache,
-                       logits_to_keep=torch.tensor(need or [0], device=device)).logits[0]
-        lg = torch.cat([first[None]] + ([logits] if need else [])) if pos[0] == p else logits
-        tg = torch.tensor([x[a] for a in pos], device=device)
-        logp = token_logprobs(lg, tg, chunk)
-        turn = torch.tensor([o[a] for a in pos], device=device)
-        results.append((torch.zeros(n, device=device).index_add(0, turn, logp),
-                        torch.zeros(n, device=device).index_add(0, turn, torch.ones_like(logp))))
+    if bottom is None:
+        inputs = [{"input_ids": torch.tensor([x], device=device)} for x in ids]
+    else:  # the frozen layers' output for each whole trajectory; its first p positions are the same in all
+        inputs = [{"inputs_embeds": bottom.hidden(model, x)} for x in ids]
+    part = lambda i, s: {k: v[:, s] for k, v in inputs[i].items()}
+    with bottom.top(model) if bottom is not None else contextlib.nullcontext():
+        out = model(**part(0, slice(None, p)), past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+        first = out.logits[0, -1]  # predicts token p of every trajectory
+        prefix_kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        results = []
+        for i, ((seqs, n), x, o, pos) in enumerate(zip(trajs, ids, tof, agent)):
+            cache = DynamicCache()  # a fresh cache on the prefix's tensors: a rest appends to it, never to them
+            for layer, (k, v) in enumerate(prefix_kv):
+                cache.update(k, v, layer)
+            need = [a - p - 1 for a in pos if a > p]  # rest position j predicts token p + j + 1
+            logits = model(**part(i, slice(p, None)), past_key_values=cache,
+                           logits_to_keep=torch.tensor(need or [0], device=device)).logits[0]
+            lg = torch.cat([first[None]] + ([logits] if need else [])) if pos[0] == p else logits
+            tg = torch.tensor([x[a] for a in pos], device=device)
+            logp = token_logprobs(lg, tg, chunk)
+            turn = torch.tensor([o[a] for a in pos], device=device)
+            results.append((torch.zeros(n, device=device).index_add(0, turn, logp),
+                            torch.zeros(n, device=device).index_add(0, turn, torch.ones_like(logp))))
     return results
+
+
+class FrozenBottom:
+    """With --train_layers N only the top N decoder layers train, so the layers below compute the same
+    hidden states for a sequence at every step. This keeps them, one tensor per distinct sequence, from
+    the first pass over it (pi_ref's, before training), and later passes run only the top layers on
+    them (sequence_logprobs, shared_prefix_turn_logprobs): the same log-probs and gradients (tests
+    check 1e-4), without the frozen layers' forward at every step. Memory: one [len, hidden] fp32
+    tensor per sequence (~0.3 GB for the embedded html critic's trajectories). For an HF decoder that
+    loops over model.get_decoder().layers and takes inputs_embeds as they are (Llama, Qwen, Mistral...);
+    the first sequence is checked against a whole forward, and a model that differs is refused."""
+
+    class _Stop(Exception):
+        """Raised by the hook on the last frozen layer: the forward ends there."""
+
+    def __init__(self, model, train_layers):
+        import torch
+        self.layers = model.get_decoder().layers
+        self.k = len(self.layers) - train_layers  # decoder layers 0..k-1 are frozen
+        frozen = [p for m in (model.get_input_embeddings(), *self.layers[:self.k]) for p in m.parameters()]
+        refuse(not 0 < self.k < len(self.layers) and f"FrozenBottom: train_layers {train_layers} of {len(self.layers)}",
+               any(p.requires_grad for p in frozen) and "FrozenBottom: the bottom layers must be frozen (train_layers)")
+        self.kept, self.checked, self.torch = {}, False, torch
+
+    def hidden(self, model, ids):
+        """The hidden states entering decoder layer k for token ids ([1, len, hidden]): kept, or computed
+        by the frozen layers alone (a hook ends the forward after layer k-1)."""
+        torch, key = self.torch, tuple(ids)
+        if key not in self.kept:
+            box = {}
+
+            def stop(module, args, out):
+                box["h"] = out if torch.is_tensor(out) else out[0]
+                raise FrozenBottom._Stop
+            hook = self.layers[self.k - 1].register_forward_hook(stop)
+            ids_t = torch.tensor([ids], device=next(model.parameters()).device)
+            try:
+                with torch.no_grad():
+                    model(input_ids=ids_t, use_cache=False)
+            except FrozenBottom._Stop:
+                pass
+            finally:
+                hook.remove()
+            self.kept[key] = box["h"].detach()
+            if not self.checked:  # once: the top layers on the kept states give the whole model's logits
+                self.checked = True
+                with torch.no_grad(), self.top(model):
+                    top = model(inputs_embeds=self.kept[key], use_cache=False, logits_to_keep=1).logits
+                whole = model(input_ids=ids_t, use_cache=False, logits_to_keep=1).logits
+                refuse(not torch.allclose(top, whole, atol=1e-3, rtol=1e-3) and
+                       f"FrozenBottom: {type(model).__name__} does not run its top layers alone on their input "
+                       f"(logits differ by {(top - whole).abs().max().item():.3g}); pass --no_keep_frozen")
+        return self.kept[key]
+
+    @contextlib.contextmanager
+    def top(self, model):
+        """Within: model(inputs_embeds=h) runs only decoder layers k.. on h, the hidden states entering layer
+        k; its KV cache holds those layers alone (as layers 0..)."""
+        decoder = model.get_decoder()
+        shifted = [m for layer in self.layers[self.k:] for m in layer.modules() if isinstance(getattr(m, "layer_idx", None), int)]
+        decoder.layers = self.torch.nn.ModuleList(self.layers[self.k:])
+        for m in shifted:
+            m.layer_idx -= self.k
+        try:
+            yield model
+        finally:
+            decoder.layers = self.layers
+            for m in shifted:
+                m.layer_idx += self.k
 
 
 def encode_shared(tokenizer, prefix, prompt, continuations, max_len):

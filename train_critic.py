@@ -21,7 +21,8 @@ tokens_per_s. final_metrics.json: the held-out pairs after training (+ every tra
 Deviations from the paper / released code:
 1. `--normalization trajectory` reproduces the released code: one mean over all agent tokens of
    the trajectory instead of the sum of per-turn means (`turn`, the default, is the paper's).
-2. pi_ref's log-probs are computed once before training (it is frozen), not at every step.
+2. pi_ref's log-probs are computed once before training (it is frozen), not at every step; with
+   --train_layers, so is the frozen layers' output (--keep_frozen).
 3. c is a plain-text block before the first stored prompt (the stored prompt is used as is).
 """
 from __future__ import annotations
@@ -84,6 +85,9 @@ class Args:
     shared_prefix: bool = True
     """run a pair's common prefix (c + the first prompt) once, then each rest on its KV cache
     (same loss and gradients as running each trajectory whole; --no_shared_prefix does that)"""
+    keep_frozen: bool = True
+    """with --train_layers, keep the frozen layers' output for each trajectory from pi_ref's pass, and run
+    only the trained layers at each step (common.FrozenBottom: same scores; one process, no --grad_ckpt)"""
     save_every: int = 50
     """save the training state (model + optimizer) every N steps to OUTPUT_DIR/resume (0 = never)"""
     resume: bool = False
@@ -158,11 +162,15 @@ def main(args):
 
     critic = common.shard_model(models.load_model(args.model, device, args.grad_ckpt, torch.float32, args.train_layers),
                                 world, device, models.compute_dtype(args.dtype, device))
+    # the frozen layers' output never changes: kept from pi_ref's pass (under torchrun every rank runs them)
+    bottom = (common.FrozenBottom(critic, args.train_layers) if args.keep_frozen and world == 1 and not args.grad_ckpt
+              and 0 < args.train_layers < len(critic.get_decoder().layers) else None)
+
     def turn_logprobs(m, group):
         """Per-turn (sum, count) of agent-token log-probs of trajectories of one task ([n_turns] each)."""
         if args.shared_prefix and not args.grad_ckpt:  # c + first prompt once (common.shared_prefix_turn_logprobs)
-            return common.shared_prefix_turn_logprobs(m, [(t["seqs"], len(t["turns"])) for t in group])
-        return [common.turn_logprobs(m, t["seqs"], len(t["turns"])) for t in group]
+            return common.shared_prefix_turn_logprobs(m, [(t["seqs"], len(t["turns"])) for t in group], bottom=bottom)
+        return [common.turn_logprobs(m, t["seqs"], len(t["turns"]), bottom) for t in group]
 
     # pi_ref = the starting critic weights: its per-turn log-probs once, before any update (per task)
     groups = {}

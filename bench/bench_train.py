@@ -1,9 +1,12 @@
 """Training speed and memory on real rollouts: train_critic.py (each pair's common prefix run once,
 and with --no_shared_prefix each trajectory whole) and train_dpo.py (trajectory mode) on the first
---num_tasks tasks of a graded file, one epoch each. Reports tokens/s (median over
-steps, from each run's log.jsonl) and the peak resident memory of each run.
+--num_tasks tasks of a graded file, one epoch each; with --train_layers, also the critic with
+--no_keep_frozen (the frozen layers run at every step). Reports tokens/s (median over steps, from
+each run's log.jsonl), each run's wall time (model load, pi_ref's pass and saving included) and its
+peak resident memory.
 
     python bench/bench_train.py --trajectories runs/default/train_graded.jsonl --model runs/default/policy_warm
+    python bench/bench_train.py ... --train_layers 10 --epochs 2    # run.sh's embedded critic
 """
 import argparse
 import json
@@ -11,6 +14,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 p = argparse.ArgumentParser(description=__doc__)
@@ -18,6 +22,9 @@ p.add_argument("--trajectories", required=True)
 p.add_argument("--model", default="embedded")
 p.add_argument("--num_tasks", type=int, default=8)
 p.add_argument("--train_layers", type=int, default=0, help="train only the top N layers (run.sh's embedded default: 10)")
+p.add_argument("--epochs", default="1", help="critic epochs (run.sh: 2)")
+p.add_argument("--task_type", default="code")
+p.add_argument("--critic_only", action="store_true", help="skip train_dpo.py")
 a = p.parse_args()
 rows = [json.loads(l) for l in open(a.trajectories)]
 keep = list(dict.fromkeys(r["task_id"] for r in rows))[: a.num_tasks]
@@ -25,10 +32,13 @@ with tempfile.TemporaryDirectory() as d:
     sub = os.path.join(d, "g.jsonl")
     with open(sub, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows if r["task_id"] in keep)
-    for script, extra in (("train_critic.py", ["--epochs", "1", "--heldout_fraction", "0"]),
-                          ("train_critic.py", ["--epochs", "1", "--heldout_fraction", "0", "--no_shared_prefix"]),
-                          ("train_dpo.py", ["--mode", "trajectory"])):
+    critic = ["--epochs", a.epochs, "--heldout_fraction", "0", "--task_type", a.task_type]
+    runs = [("train_critic.py", critic), ("train_critic.py", critic + ["--no_shared_prefix"])]
+    runs += [("train_critic.py", critic + ["--no_keep_frozen"])] if a.train_layers else []
+    runs += [] if a.critic_only else [("train_dpo.py", ["--mode", "trajectory", "--task_type", a.task_type])]
+    for script, extra in runs:
         out = os.path.join(d, script + "".join(extra))
+        start = time.time()
         proc = subprocess.Popen([sys.executable, script, "--trajectories", sub, "--model", a.model, "--output_dir", out,
                                  "--lr", "1e-6", "--batch_size", "4", "--train_layers", str(a.train_layers), *extra],
                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -40,4 +50,4 @@ with tempfile.TemporaryDirectory() as d:
         log = [json.loads(l) for l in open(os.path.join(out, "log.jsonl"))]
         tps = sorted(x["tokens_per_s"] for x in log)
         print(f"{script} {' '.join(extra)}: {len(log)} steps, median {tps[len(tps) // 2]:.0f} tokens/s (forward+backward+AdamW), "
-              f"peak RSS {peak / 1024:.0f} MiB")
+              f"wall {time.time() - start:.0f} s, peak RSS {peak / 1024:.0f} MiB", flush=True)

@@ -43,6 +43,8 @@ def kill_tree(pid):
 
 @pytest.mark.parametrize("script,extra", [
     ("train_critic.py", ["--epochs", "2", "--heldout_fraction", "0"]),
+    # the top layer alone: one process keeps the frozen layer's output (FrozenBottom), two run it every step
+    ("train_critic.py", ["--epochs", "2", "--heldout_fraction", "0", "--train_layers", "1"]),
     ("train_dpo.py", ["--mode", "trajectory", "--epochs", "2"]),
 ])
 def test_two_processes_match_one(tiny_model, tmp_path, script, extra):

@@ -231,6 +231,51 @@ def test_critic_pair_shared_prefix_equals_two_passes(tok_model, first_turns):
     model.zero_grad()
 
 
+@pytest.mark.parametrize("shared_prefix", [True, False])
+def test_frozen_bottom_gives_the_whole_models_scores_and_gradients(tiny_model, shared_prefix):
+    """With the bottom layer frozen (train_layers 1 of 2), a critic pair scored on the kept output of
+    the frozen layer (common.FrozenBottom) equals the whole model's pass: per-turn log-probs, loss and
+    the trained parameters' gradients within 1e-4; and after the first pass the frozen layer never runs."""
+    tok = models.load_tokenizer(tiny_model)
+    model = models.load_model(tiny_model, torch.device("cpu"), train_layers=1)
+    good = make_traj(tok, TASK, ["What factor?", "I WANT TO ANSWER: def f(x): return 2*x"], ["Double it."], 1.0, 0)
+    bad = make_traj(tok, TASK, ["Is it 3?", "Anything else?", "I WANT TO ANSWER: def f(x): return x"],
+                    ["Double it.", "I don't know."], 0.0, 1)
+    prefix = train_critic.training_info(TASK)
+    trajs = [(common.tokenize_turns(tok, colbench.agent_turns(t), prefix), len(colbench.agent_turns(t))) for t in (good, bad)]
+    score = (lambda b: common.shared_prefix_turn_logprobs(model, trajs, bottom=b)) if shared_prefix else \
+        (lambda b: [common.turn_logprobs(model, seqs, n, b) for seqs, n in trajs])
+
+    def loss_and_grads(results):
+        scores = [train_critic.trajectory_score(s, torch.zeros_like(s), n, 0.1) for s, n in results]
+        loss = train_critic.critic_loss(scores[0], scores[1])
+        model.zero_grad()
+        (loss + 10 * scores[0]).backward()  # a loss whose gradient is not ~0 at the start
+        return loss.item(), [s.detach() for s, _ in results], {n: p.grad.clone() for n, p in model.named_parameters()
+                                                               if p.requires_grad}
+
+    whole = loss_and_grads(score(None))
+    bottom = common.FrozenBottom(model, 1)
+    with torch.no_grad():  # the first pass keeps the frozen layer's output (pi_ref's pass in train_critic)
+        first = score(bottom)
+    assert len(bottom.kept) == 2  # one entry per trajectory
+    for (a, _), b in zip(first, whole[1]):
+        assert torch.allclose(a, b, atol=1e-4), (a, b)
+    runs = []
+    hook = model.model.layers[0].register_forward_hook(lambda *a: runs.append(1))
+    kept = loss_and_grads(score(bottom))
+    hook.remove()
+    assert runs == [] and len(model.model.layers) == 2  # the frozen layer never ran; the model is whole again
+    assert kept[0] == pytest.approx(whole[0], abs=1e-4)
+    for a, b in zip(kept[1], whole[1]):
+        assert torch.allclose(a, b, atol=1e-4), (a, b)
+    assert set(kept[2]) == set(whole[2]) and max(g.abs().max().item() for g in whole[2].values()) > 1e-3
+    for name, g in whole[2].items():
+        assert torch.allclose(kept[2][name], g, atol=1e-4, rtol=1e-4), name
+    with pytest.raises(SystemExit, match="must be frozen"):
+        common.FrozenBottom(models.load_model(tiny_model, torch.device("cpu")), 1)
+
+
 def test_pairs_come_from_opposite_halves_largest_gaps_first():
     rng = random.Random(0)
     cands = [f"c{i}" for i in range(16)]
@@ -297,6 +342,19 @@ def test_critic_learns_a_separable_toy_set(tiny_model, tmp_path):
     whole = read_jsonl(tmp_path / "critic_whole" / "log.jsonl")
     assert len(whole) == len(log)
     for a, b in zip(log, whole):
+        for k in ("loss", "grad_norm", "margin", "heldout_loss"):
+            if k in a:
+                assert a[k] == pytest.approx(b[k], abs=1e-4), (k, a[k], b[k])
+    # the top layer alone trains: on the frozen layer's kept output (the default) or with the whole model
+    # at every step, the same run
+    top = {}
+    for name, flags in (("kept", []), ("whole", ["--no_keep_frozen"])):
+        run_script("train_critic.py", "--trajectories", tmp_path / "g.jsonl", "--model", tiny_model, "--output_dir",
+                   tmp_path / f"top_{name}", "--lr", "3e-3", "--epochs", "3", "--batch_size", "4", "--heldout_fraction",
+                   "0.2", "--train_layers", "1", *flags)
+        top[name] = read_jsonl(tmp_path / f"top_{name}" / "log.jsonl")
+    assert len(top["kept"]) == len(top["whole"]) and top["whole"][-1]["loss"] < top["whole"][0]["loss"]
+    for a, b in zip(top["kept"], top["whole"]):
         for k in ("loss", "grad_norm", "margin", "heldout_loss"):
             if k in a:
                 assert a[k] == pytest.approx(b[k], abs=1e-4), (k, a[k], b[k])

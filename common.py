@@ -461,52 +461,105 @@ class FrozenBottom:
     """With --train_layers N only the top N decoder layers train, so the layers below compute the same
     hidden states for a sequence at every step. This keeps them, one tensor per distinct sequence, from
     the first pass over it (pi_ref's, before training), and later passes run only the top layers on
-    them (sequence_logprobs, shared_prefix_turn_logprobs): the same log-probs and gradients (tests
-    check 1e-4), without the frozen layers' forward at every step. Memory: one [len, hidden] fp32
-    tensor per sequence (~0.3 GB for the embedded html critic's trajectories). For an HF decoder that
-    loops over model.get_decoder().layers and takes inputs_embeds as they are (Llama, Qwen, Mistral...);
-    the first sequence is checked against a whole forward, and a model that differs is refused."""
+    them (sequence_logprobs, shared_prefix_turn_logprobs, shared_prompt_logprobs): the same log-probs
+    and gradients (tests check 1e-4), without the frozen layers' forward at every step. A critic
+    trained so shares its bottom with pi_ref, so labelling runs it once for both (and for every critic
+    that shares it). Memory: one [len, hidden] fp32 tensor per sequence (~0.3 GB for the embedded html
+    critic's trajectories; label_turns forgets a state's after scoring it). For an HF decoder that loops
+    over model.get_decoder().layers and takes inputs_embeds as they are (Llama, Qwen, Mistral...); the
+    first sequence is checked against a whole forward, and a model that differs is refused."""
 
     class _Stop(Exception):
         """Raised by the hook on the last frozen layer: the forward ends there."""
 
     def __init__(self, model, train_layers):
+        """model's bottom (all but its top train_layers decoder layers, and the embeddings) must be frozen."""
         import torch
-        self.layers = model.get_decoder().layers
-        self.k = len(self.layers) - train_layers  # decoder layers 0..k-1 are frozen
-        frozen = [p for m in (model.get_input_embeddings(), *self.layers[:self.k]) for p in m.parameters()]
-        refuse(not 0 < self.k < len(self.layers) and f"FrozenBottom: train_layers {train_layers} of {len(self.layers)}",
-               any(p.requires_grad for p in frozen) and "FrozenBottom: the bottom layers must be frozen (train_layers)")
-        self.kept, self.checked, self.torch = {}, False, torch
+        self.torch, self.kept, self.checked = torch, {}, False
+        self.n = n = len(model.get_decoder().layers)
+        self.k = n - train_layers  # decoder layers 0..k-1 are frozen
+        refuse(not 0 < self.k < n and f"FrozenBottom: train_layers {train_layers} of {n}",
+               any(p.requires_grad for p in self.bottom_parameters(model, self.k))
+               and "FrozenBottom: the bottom layers must be frozen (train_layers)")
+
+    @staticmethod
+    def bottom_parameters(model, k):
+        return [p for x in (model.get_input_embeddings(), *model.get_decoder().layers[:k]) for p in x.parameters()]
+
+    @classmethod
+    def common_to(cls, models, train_layers):
+        """One FrozenBottom for models that hold the same weights below their top train_layers layers (critics
+        trained with --train_layers from one pi_ref, and pi_ref), else None."""
+        import torch
+        n = len(models[0].get_decoder().layers)
+        if not 0 < train_layers < n or any(len(m.get_decoder().layers) != n for m in models):
+            return None
+        first = cls.bottom_parameters(models[0], n - train_layers)
+        if not all(torch.equal(a, b) for m in models[1:] for a, b in zip(first, cls.bottom_parameters(m, n - train_layers))):
+            return None
+        return cls(models[0], train_layers)
+
+    def _bottom(self, model, ids, cache=None):
+        """Hidden states entering layer k for ids (after the cached tokens), by the frozen layers alone:
+        a hook ends the forward after layer k-1 (the cache then holds layers 0..k-1)."""
+        torch, box = self.torch, {}
+        if len(model.get_decoder().layers) != self.n:
+            raise RuntimeError("FrozenBottom: the frozen layers' states are computed outside top()")
+
+        def stop(module, args, out):
+            box["h"] = out if torch.is_tensor(out) else out[0]
+            raise FrozenBottom._Stop
+        hook = model.get_decoder().layers[self.k - 1].register_forward_hook(stop)
+        try:
+            with torch.no_grad():
+                model(input_ids=torch.tensor([ids], device=next(model.parameters()).device),
+                      past_key_values=cache, use_cache=cache is not None)
+        except FrozenBottom._Stop:
+            pass
+        finally:
+            hook.remove()
+        return box["h"].detach()
+
+    def _check(self, model, ids, h):
+        """Once: the top layers on h give the whole model's logits (a model that scales or changes
+        inputs_embeds in its forward would not)."""
+        torch = self.torch
+        if self.checked:
+            return
+        self.checked = True
+        with torch.no_grad(), self.top(model):
+            top = model(inputs_embeds=h, use_cache=False, logits_to_keep=1).logits
+        with torch.no_grad():
+            whole = model(input_ids=torch.tensor([ids], device=h.device), use_cache=False, logits_to_keep=1).logits
+        refuse(not torch.allclose(top, whole, atol=1e-3, rtol=1e-3) and
+               f"FrozenBottom: {type(model).__name__} does not run its top layers alone on their input "
+               f"(logits differ by {(top - whole).abs().max().item():.3g}); pass --no_keep_frozen")
 
     def hidden(self, model, ids):
-        """The hidden states entering decoder layer k for token ids ([1, len, hidden]): kept, or computed
-        by the frozen layers alone (a hook ends the forward after layer k-1)."""
-        torch, key = self.torch, tuple(ids)
+        """The hidden states entering decoder layer k for token ids ([1, len, hidden]), kept."""
+        key = tuple(ids)
         if key not in self.kept:
-            box = {}
+            self.kept[key] = self._bottom(model, ids)
+            self._check(model, ids, self.kept[key])
+        return self.kept[key]
 
-            def stop(module, args, out):
-                box["h"] = out if torch.is_tensor(out) else out[0]
-                raise FrozenBottom._Stop
-            hook = self.layers[self.k - 1].register_forward_hook(stop)
-            ids_t = torch.tensor([ids], device=next(model.parameters()).device)
-            try:
-                with torch.no_grad():
-                    model(input_ids=ids_t, use_cache=False)
-            except FrozenBottom._Stop:
-                pass
-            finally:
-                hook.remove()
-            self.kept[key] = box["h"].detach()
-            if not self.checked:  # once: the top layers on the kept states give the whole model's logits
-                self.checked = True
-                with torch.no_grad(), self.top(model):
-                    top = model(inputs_embeds=self.kept[key], use_cache=False, logits_to_keep=1).logits
-                whole = model(input_ids=ids_t, use_cache=False, logits_to_keep=1).logits
-                refuse(not torch.allclose(top, whole, atol=1e-3, rtol=1e-3) and
-                       f"FrozenBottom: {type(model).__name__} does not run its top layers alone on their input "
-                       f"(logits differ by {(top - whole).abs().max().item():.3g}); pass --no_keep_frozen")
+    def prompt_hidden(self, model, prompt_ids, conts):
+        """(the prompt's hidden states [1, P, hidden], [each continuation's [1, len, hidden]]), kept: the
+        prompt runs once and each continuation on a copy of its (frozen layers') KV cache."""
+        from transformers import DynamicCache
+        key = (tuple(prompt_ids), *map(tuple, conts))
+        if key not in self.kept:
+            cache = DynamicCache()
+            h = self._bottom(model, prompt_ids, cache)
+            self._check(model, prompt_ids, h)
+            prompt_kv = [(layer.keys, layer.values) for layer in cache.layers]
+            rest = []
+            for c in conts:
+                copy = DynamicCache()
+                for layer, (k, v) in enumerate(prompt_kv):
+                    copy.update(k, v, layer)
+                rest.append(self._bottom(model, c, copy))
+            self.kept[key] = (h, rest)
         return self.kept[key]
 
     @contextlib.contextmanager
@@ -514,14 +567,15 @@ class FrozenBottom:
         """Within: model(inputs_embeds=h) runs only decoder layers k.. on h, the hidden states entering layer
         k; its KV cache holds those layers alone (as layers 0..)."""
         decoder = model.get_decoder()
-        shifted = [m for layer in self.layers[self.k:] for m in layer.modules() if isinstance(getattr(m, "layer_idx", None), int)]
-        decoder.layers = self.torch.nn.ModuleList(self.layers[self.k:])
+        layers = decoder.layers
+        shifted = [m for layer in layers[self.k:] for m in layer.modules() if isinstance(getattr(m, "layer_idx", None), int)]
+        decoder.layers = self.torch.nn.ModuleList(layers[self.k:])
         for m in shifted:
             m.layer_idx -= self.k
         try:
             yield model
         finally:
-            decoder.layers = self.layers
+            decoder.layers = layers
             for m in shifted:
                 m.layer_idx += self.k
 
@@ -557,7 +611,7 @@ def length_groups(lengths, overhead=64):
 LOGITS_BUDGET = 2**28  # shared_prompt_logprobs with max_tokens: logits held at once (1 GiB in fp32)
 
 
-def shared_prompt_logprobs(model, prompt_ids, conts, chunk=1024, max_tokens=None):
+def shared_prompt_logprobs(model, prompt_ids, conts, chunk=1024, max_tokens=None, bottom=None):
     """Summed log-prob and token count of each continuation of one prompt: the prompt runs once, then
     the continuations as right-padded batches of similar length (length_groups) on its KV cache;
     gradients flow through the cache into the prompt's pass. Equal to scoring prompt + continuation
@@ -565,11 +619,20 @@ def shared_prompt_logprobs(model, prompt_ids, conts, chunk=1024, max_tokens=None
     activation checkpointing). max_tokens bounds memory (label_turns --max_batch_tokens; None: one
     batch per length group): each row holds its own copy of the prompt's KV cache, so a batch has at
     most max_tokens // (prompt + longest continuation) rows, and its [rows, length, vocab] logits at
-    most LOGITS_BUDGET elements."""
+    most LOGITS_BUDGET elements. With a FrozenBottom, only the layers above it run, on its kept hidden
+    states (those of the frozen layers are small beside the logits, and not bounded by max_tokens)."""
+    hidden = bottom.prompt_hidden(model, prompt_ids, conts) if bottom is not None else None  # before top() below
+    with bottom.top(model) if bottom is not None else contextlib.nullcontext():
+        return _shared_prompt_logprobs(model, prompt_ids, conts, chunk, max_tokens, hidden)
+
+
+def _shared_prompt_logprobs(model, prompt_ids, conts, chunk, max_tokens, hidden):
+    """shared_prompt_logprobs; hidden: (prompt's, [each continuation's]) inputs_embeds, or None (token ids)."""
     import torch
     from transformers import DynamicCache
     device = next(model.parameters()).device
-    out = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True, logits_to_keep=1)
+    prompt_in = {"input_ids": torch.tensor([prompt_ids], device=device)} if hidden is None else {"inputs_embeds": hidden[0]}
+    out = model(**prompt_in, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
     first = torch.log_softmax(out.logits[0, -1].float(), -1)[[c[0] for c in conts]]  # the prompt's last position predicts token 0
     prompt_kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
     del out
@@ -589,8 +652,13 @@ def shared_prompt_logprobs(model, prompt_ids, conts, chunk=1024, max_tokens=None
             for row, i in enumerate(part):
                 ids[row, :len(conts[i])] = torch.tensor(conts[i], device=device)
                 mask[row, len(prompt_ids):len(prompt_ids) + len(conts[i])] = 1
+            inputs = {"input_ids": ids}
+            if hidden is not None:  # the continuations' kept hidden states, right-padded with zeros (masked)
+                inputs = {"inputs_embeds": torch.zeros((n, L, hidden[0].shape[-1]), dtype=hidden[0].dtype, device=device)}
+                for row, i in enumerate(part):
+                    inputs["inputs_embeds"][row, :len(conts[i])] = hidden[1][i][0]
             # position j of the batch predicts continuation token j+1 (the last position predicts nothing)
-            logits = model(input_ids=ids, past_key_values=cache, attention_mask=mask,
+            logits = model(**inputs, past_key_values=cache, attention_mask=mask,
                            logits_to_keep=torch.arange(L - 1, device=device) if L > 1 else 1).logits  # [n, L-1, vocab]
             del cache
             for row, i in enumerate(part):

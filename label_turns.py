@@ -98,6 +98,9 @@ class Args:
     """vllm backend: share of the GPU's memory vLLM may take (the critics and pi_ref need the rest)"""
     max_turns: int = 10
     """the rollouts' turn limit (a candidate at the last turn is an answer, for the turn classes)"""
+    keep_frozen: bool = True
+    """critics trained with --train_layers from pi_ref share its frozen layers: run those once per state
+    for all of them and pi_ref (common.FrozenBottom; the same advantages)"""
 
 
 def make_pairs(candidates, advantages, k, rng):
@@ -182,9 +185,9 @@ class Scorer:
     """Scores candidate turns of a state: every critic's advantage (each with pi_ref on the same input)
     and, on procedural tasks, every candidate's true class."""
 
-    def __init__(self, tok, critics, critic_settings, ref, max_len, max_turns, max_batch_tokens=None):
+    def __init__(self, tok, critics, critic_settings, ref, max_len, max_turns, max_batch_tokens=None, bottom=None):
         self.tok, self.critics, self.settings, self.ref = tok, critics, critic_settings, ref
-        self.max_len, self.max_batch_tokens = max_len, max_batch_tokens
+        self.max_len, self.max_batch_tokens, self.bottom = max_len, max_batch_tokens, bottom
         self.classes = credit.TrueClasses(max_turns)  # the diagnostics' ground truth (credit.py), not the algorithm's
 
     @torch.no_grad()
@@ -195,11 +198,14 @@ class Scorer:
             s = self.settings[name]
             prefix = training_info(task, s.get("no_training_info", False))  # c reaches the critic and pi_ref
             prompt_ids, cand_ids = common.encode_shared(self.tok, prefix, prompt, candidates, self.max_len)
-            logp_sum, count = common.shared_prompt_logprobs(critic, prompt_ids, cand_ids, max_tokens=self.max_batch_tokens)
+            logp_sum, count = common.shared_prompt_logprobs(critic, prompt_ids, cand_ids, max_tokens=self.max_batch_tokens,
+                                                            bottom=self.bottom)
             if prefix not in ref_scores:  # pi_ref once per distinct input
-                ref_scores[prefix] = common.shared_prompt_logprobs(self.ref, prompt_ids, cand_ids,
+                ref_scores[prefix] = common.shared_prompt_logprobs(self.ref, prompt_ids, cand_ids, bottom=self.bottom,
                                                                    max_tokens=self.max_batch_tokens)[0]
             out[name] = turn_advantage(logp_sum, ref_scores[prefix], count, s["beta"]).tolist()
+        if self.bottom is not None:
+            self.bottom.kept.clear()  # this state's frozen-layer states are not needed again
         return out
 
 def label(args, todo, critic_dirs, critic_settings, ref_name, policy_name, rng, pairs_out, state_log):
@@ -209,14 +215,17 @@ def label(args, todo, critic_dirs, critic_settings, ref_name, policy_name, rng, 
     if args.agent_backend == "vllm":  # vLLM first, with its share of the GPU; the critics and pi_ref fit after it
         sampler = models.make_sampler("vllm", policy_name, args.temperature, args.top_p, args.max_new_tokens, args.seed,
                                         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_len)
-    critics = {name: models.load_model(d, device).eval() for name, d in critic_dirs.items()}
-    ref = models.load_model(ref_name, device).eval()
+    # critics trained with --train_layers N share pi_ref's frozen layers: those run once for all (common.FrozenBottom)
+    top = {s.get("train_layers", 0) for s in critic_settings.values()}
+    top = top.pop() if len(top) == 1 and args.keep_frozen else 0
+    critics = {name: models.load_model(d, device, train_layers=top).eval() for name, d in critic_dirs.items()}
+    ref = models.load_model(ref_name, device, train_layers=top).eval()
     sampler = sampler or models.make_sampler(args.agent_backend, policy_name, args.temperature, args.top_p,
                                                args.max_new_tokens, args.seed, args.agent_url, args.batch_size,
                                                loaded=ref if policy_name == ref_name else None,
                                                max_batch_tokens=args.max_batch_tokens)
     scorer = Scorer(models.load_tokenizer(ref_name), critics, critic_settings, ref, args.max_len, args.max_turns,
-                    args.max_batch_tokens)
+                    args.max_batch_tokens, common.FrozenBottom.common_to([ref, *critics.values()], top))
 
     bar = common.tqdm_if(None, True, "states", total=len(todo))
     for first in range(0, len(todo), args.state_batch):  # candidates of state_batch states in one sampling batch

@@ -56,16 +56,20 @@ def turn_advantages(rows, critic_dir):
     settings = json.loads((Path(critic_dir) / "run_settings.json").read_text())
     device = models.local_device()  # a GPU when there is one: bf16 there (an 8B critic and pi_ref fit), fp32 on the CPU
     tok = models.load_tokenizer(settings["model"])
-    critic, ref = (models.load_model(m, device).eval() for m in (critic_dir, settings["model"]))
+    top = settings.get("train_layers", 0)
+    critic, ref = (models.load_model(m, device, train_layers=top).eval() for m in (critic_dir, settings["model"]))
+    bottom = common.FrozenBottom.common_to([ref, critic], top)  # their shared frozen layers run once (train_critic --train_layers)
     out = []
     with torch.no_grad():
         for r in common.tqdm_if(rows, True, "advantages"):
             turns = colbench.agent_turns(r)
             seqs = common.tokenize_turns(tok, turns, training_info(r["task"], settings.get("no_training_info", False)),
                                          settings.get("max_len"))
-            logp, count = common.turn_logprobs(critic, seqs, len(turns))
-            ref_logp, _ = common.turn_logprobs(ref, seqs, len(turns))
+            logp, count = common.turn_logprobs(critic, seqs, len(turns), bottom)
+            ref_logp, _ = common.turn_logprobs(ref, seqs, len(turns), bottom)
             out.append(turn_advantage(logp, ref_logp, count, settings["beta"]).tolist())
+            if bottom is not None:
+                bottom.kept.clear()
     return out
 
 

@@ -150,6 +150,40 @@ def test_prefix_reuse_scoring_equals_naive(tok_model):
             assert torch.allclose(bounded, fast, atol=1e-4)
 
 
+def test_label_scoring_on_a_shared_frozen_bottom_equals_plain(tiny_model):
+    """A critic trained with --train_layers 1 (its top layer moved) shares pi_ref's bottom layer:
+    label_turns runs that once per state for both (FrozenBottom.common_to), and both scores equal the
+    plain ones within 1e-4, in one batch and in batches of one row; a critic whose bottom moved too
+    shares nothing."""
+    tok = models.load_tokenizer(tiny_model)
+    ref, critic, moved = (models.load_model(tiny_model, torch.device("cpu"), train_layers=1).eval() for _ in range(3))
+    with torch.no_grad():
+        for p in critic.model.layers[1].parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        for p in moved.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    assert common.FrozenBottom.common_to([ref, moved], 1) is None and common.FrozenBottom.common_to([ref, critic], 0) is None
+    bottom = common.FrozenBottom.common_to([ref, critic], 1)
+    prompt = models.render_prompt(tok, colbench.agent_messages(TASK, [{"role": "user", "content": TASK["problem_description"]}]))
+    cands = ["What is the factor?", "I WANT TO ANSWER: def f(x): return x * 2", "?", "Tell me more about x please"]
+    p_ids, c_ids = common.encode_shared(tok, train_critic.training_info(TASK), prompt, cands, 4096)
+    runs = []
+    hook = ref.model.layers[0].register_forward_hook(lambda *a: runs.append(1))
+    with torch.no_grad():
+        for budget in (None, 1):
+            for model in (critic, ref):
+                plain, counts = common.shared_prompt_logprobs(model, p_ids, c_ids, max_tokens=budget)
+                n_before = len(runs)
+                kept, kept_counts = common.shared_prompt_logprobs(model, p_ids, c_ids, max_tokens=budget, bottom=bottom)
+                assert torch.allclose(kept, plain, atol=1e-4) and torch.equal(kept_counts, counts)
+                assert len(runs) == n_before  # the bottom layer's states were kept (the first call ran it on critic)
+    hook.remove()
+    assert len(bottom.kept) == 1 and len(critic.model.layers) == 2
+    with torch.no_grad():
+        diff = common.shared_prompt_logprobs(critic, p_ids, c_ids)[0] - common.shared_prompt_logprobs(ref, p_ids, c_ids)[0]
+    assert diff.abs().max() > 1e-3  # the two models' scores differ: the top layers are each model's own
+
+
 def test_dpo_reference_logprobs_of_a_state_equal_each_pair_alone(tok_model):
     """train_dpo groups the pairs of one state (same prompt) and scores each distinct turn once; every
     pair's (chosen, rejected) reference log-probs equal scoring that pair alone."""
@@ -364,13 +398,20 @@ def test_label_turns_then_dpo_modes(tiny_model, tmp_path):
     tok = models.load_tokenizer(tiny_model)
     write_graded(tok, tmp_path / "g.jsonl", n_tasks=3)
     run_script("train_critic.py", "--trajectories", tmp_path / "g.jsonl", "--model", tiny_model, "--output_dir",
-               tmp_path / "critic", "--lr", "1e-3", "--epochs", "1")
+               tmp_path / "critic", "--lr", "1e-3", "--epochs", "1", "--train_layers", "1")  # shares pi_ref's layer 0
     args = ["--trajectories", tmp_path / "g.jsonl", "--critic", tmp_path / "critic", "--output", tmp_path / "pairs.jsonl",
             "--num_candidates", "4", "--pairs_per_state", "2", "--max_new_tokens", "8", "--data_fraction", "0.5",
             "--state_batch", "2"]  # 3 trajectories: sampled in batches of 2 states, then 1
     run_script("label_turns.py", *args)
     pairs = read_jsonl(tmp_path / "pairs.jsonl")
     states = read_jsonl(f"{tmp_path / 'pairs.jsonl'}.states.jsonl")
+    # the shared frozen layer run once for the critic and pi_ref, or by each: the same candidates and advantages
+    run_script("label_turns.py", *args[:5], tmp_path / "plain.jsonl", *args[6:], "--no_keep_frozen")
+    plain = read_jsonl(tmp_path / "plain.jsonl.states.jsonl")
+    assert [s["candidates"] for s in plain] == [s["candidates"] for s in states]
+    for a, b in zip(states, plain):
+        assert a["advantages"] == pytest.approx(b["advantages"], abs=1e-5)
+    assert max(abs(x) for s in states for x in s["advantages"]) > 1e-4  # advantages of a critic that moved
     assert len(states) >= 3 and all(len(s["candidates"]) == 4 for s in states)
     for p in pairs:
         assert set(p) >= {"prompt", "chosen", "rejected", "chosen_advantage", "rejected_advantage", "task_id", "turn"}

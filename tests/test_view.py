@@ -66,3 +66,25 @@ def test_plots(tmp_path):
     for name in ("results.png", "training.png"):
         im = Image.open(tmp_path / name)
         assert im.size[0] > 300 and len(set(im.convert("L").tobytes())) > 10  # a real drawing, not a blank canvas
+
+
+def test_advantages_of_a_top_layer_critic_on_the_shared_bottom(tiny_model, tmp_path):
+    """A critic trained with --train_layers 1 (only its top layer moved): view.turn_advantages runs the
+    shared bottom layer once for it and pi_ref, and gives the advantages of the whole models."""
+    import view
+    tok = models.load_tokenizer(tiny_model)
+    rows = [make_traj(tok, TASK, ["What factor?", "I WANT TO ANSWER: def f(x): return x * 2"], ["Double it."], 1.0, 0)]
+    critic = AutoModelForCausalLM.from_pretrained(tiny_model)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in critic.model.layers[1].parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    critic.save_pretrained(tmp_path / "critic")
+    tok.save_pretrained(tmp_path / "critic")
+    advantages = {}
+    for top in (0, 1):
+        (tmp_path / "critic" / "run_settings.json").write_text(json.dumps({"model": tiny_model, "beta": 0.1, "train_layers": top}))
+        advantages[top] = view.turn_advantages(rows, tmp_path / "critic")
+    assert len(advantages[1][0]) == 2 and max(map(abs, advantages[0][0])) > 1e-4
+    for a, b in zip(advantages[0][0], advantages[1][0]):
+        assert abs(a - b) < 1e-5

@@ -179,10 +179,7 @@ def rescore(pairs_path, trajectories, critic_dirs, max_len=16384, max_batch_toke
     states = [r for _, r in common.read_jsonl(Path(f"{pairs_path}.states.jsonl")) if r.get("classes")]
     trajs = {(t["task_id"], t.get("sample", 0)): t for t in colbench.load_graded(trajectories)}
     settings, ref_name = label_turns.load_critics(critic_dirs)
-    device = models.local_device()
-    critics = {name: models.load_model(d, device).eval() for name, d in critic_dirs.items()}
-    scorer = label_turns.Scorer(models.load_tokenizer(ref_name), critics, settings,
-                                models.load_model(ref_name, device).eval(), max_len, 0, max_batch_tokens)
+    scorer = label_turns.Scorer.load(critic_dirs, settings, ref_name, models.local_device(), max_len, 0, max_batch_tokens)
     for s in common.tqdm_if(states, True, "states"):
         traj = trajs.get((s["task_id"], s["sample"]))
         if traj is None:

@@ -21,7 +21,8 @@ Sampling is batched: the N candidates of --state_batch states are one batch (hf:
 prompt runs once for its N samples, and a finished candidate leaves the batch; models.HFSampler).
 Scoring shares work: the prompt (c + o_t) is run once, and the N candidates run on its KV cache in
 batches of similar length (common.shared_prompt_logprobs); it equals naive one-by-one scoring
-(tests check 1e-4).
+(tests check 1e-4). Critics trained with --train_layers share pi_ref's frozen layers, which then
+run once per state for all of them (common.FrozenBottom; --no_keep_frozen runs them in each).
 
 Turn-credit accuracy (procedural code tasks and pages; credit.py, apart from the algorithm): every candidate's
 true class is stored in the states file beside every critic's advantages (--critic and
@@ -190,6 +191,17 @@ class Scorer:
         self.max_len, self.max_batch_tokens, self.bottom = max_len, max_batch_tokens, bottom
         self.classes = credit.TrueClasses(max_turns)  # the diagnostics' ground truth (credit.py), not the algorithm's
 
+    @classmethod
+    def load(cls, critic_dirs, critic_settings, ref_name, device, max_len, max_turns, max_batch_tokens, keep_frozen=True):
+        """The critics and pi_ref from disk. Critics trained with --train_layers N from pi_ref share its frozen
+        layers: with keep_frozen those run once per state for all of them (common.FrozenBottom)."""
+        top = {s.get("train_layers", 0) for s in critic_settings.values()}
+        top = top.pop() if len(top) == 1 and keep_frozen else 0
+        critics = {name: models.load_model(d, device, train_layers=top).eval() for name, d in critic_dirs.items()}
+        ref = models.load_model(ref_name, device, train_layers=top).eval()
+        return cls(models.load_tokenizer(ref_name), critics, critic_settings, ref, max_len, max_turns, max_batch_tokens,
+                   common.FrozenBottom.common_to([ref, *critics.values()], top))
+
     @torch.no_grad()
     def advantages(self, task, prompt, candidates):
         """{critic name: [advantage of each candidate]}, train_critic's A(o_t, a_t, c)."""
@@ -215,17 +227,12 @@ def label(args, todo, critic_dirs, critic_settings, ref_name, policy_name, rng, 
     if args.agent_backend == "vllm":  # vLLM first, with its share of the GPU; the critics and pi_ref fit after it
         sampler = models.make_sampler("vllm", policy_name, args.temperature, args.top_p, args.max_new_tokens, args.seed,
                                         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_len)
-    # critics trained with --train_layers N share pi_ref's frozen layers: those run once for all (common.FrozenBottom)
-    top = {s.get("train_layers", 0) for s in critic_settings.values()}
-    top = top.pop() if len(top) == 1 and args.keep_frozen else 0
-    critics = {name: models.load_model(d, device, train_layers=top).eval() for name, d in critic_dirs.items()}
-    ref = models.load_model(ref_name, device, train_layers=top).eval()
+    scorer = Scorer.load(critic_dirs, critic_settings, ref_name, device, args.max_len, args.max_turns,
+                         args.max_batch_tokens, args.keep_frozen)
     sampler = sampler or models.make_sampler(args.agent_backend, policy_name, args.temperature, args.top_p,
                                                args.max_new_tokens, args.seed, args.agent_url, args.batch_size,
-                                               loaded=ref if policy_name == ref_name else None,
+                                               loaded=scorer.ref if policy_name == ref_name else None,
                                                max_batch_tokens=args.max_batch_tokens)
-    scorer = Scorer(models.load_tokenizer(ref_name), critics, critic_settings, ref, args.max_len, args.max_turns,
-                    args.max_batch_tokens, common.FrozenBottom.common_to([ref, *critics.values()], top))
 
     bar = common.tqdm_if(None, True, "states", total=len(todo))
     for first in range(0, len(todo), args.state_batch):  # candidates of state_batch states in one sampling batch

@@ -533,7 +533,8 @@ class FrozenBottom:
             whole = model(input_ids=torch.tensor([ids], device=h.device), use_cache=False, logits_to_keep=1).logits
         refuse(not torch.allclose(top, whole, atol=1e-3, rtol=1e-3) and
                f"FrozenBottom: {type(model).__name__} does not run its top layers alone on their input "
-               f"(logits differ by {(top - whole).abs().max().item():.3g}); pass --no_keep_frozen")
+               f"(logits differ by {(top - whole).abs().max().item():.3g}); "
+               f"train_critic.py and label_turns.py: pass --no_keep_frozen")
 
     def hidden(self, model, ids):
         """The hidden states entering decoder layer k for token ids ([1, len, hidden]), kept."""

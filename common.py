@@ -442,9 +442,7 @@ def shared_prefix_turn_logprobs(model, trajs, chunk=1024, bottom=None):
         prefix_kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
         results = []
         for i, ((seqs, n), x, o, pos) in enumerate(zip(trajs, ids, tof, agent)):
-            cache = DynamicCache()  # a fresh cache on the prefix's tensors: a rest appends to it, never to them
-            for layer, (k, v) in enumerate(prefix_kv):
-                cache.update(k, v, layer)
+            cache = cache_on(prefix_kv)  # a rest appends to a fresh cache, never to the prefix's tensors
             need = [a - p - 1 for a in pos if a > p]  # rest position j predicts token p + j + 1
             logits = model(**part(i, slice(p, None)), past_key_values=cache,
                            logits_to_keep=torch.tensor(need or [0], device=device)).logits[0]
@@ -455,6 +453,16 @@ def shared_prefix_turn_logprobs(model, trajs, chunk=1024, bottom=None):
             results.append((torch.zeros(n, device=device).index_add(0, turn, logp),
                             torch.zeros(n, device=device).index_add(0, turn, torch.ones_like(logp))))
     return results
+
+
+def cache_on(kv, rows=1):
+    """A fresh DynamicCache holding [(keys, values) per layer] of a one-row pass, as rows rows (expanded,
+    not copied): a pass on it appends to the new cache, never to those tensors."""
+    from transformers import DynamicCache
+    cache = DynamicCache()
+    for layer, (k, v) in enumerate(kv):
+        cache.update(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1), layer)
+    return cache
 
 
 class FrozenBottom:
@@ -556,10 +564,7 @@ class FrozenBottom:
             prompt_kv = [(layer.keys, layer.values) for layer in cache.layers]
             rest = []
             for c in conts:
-                copy = DynamicCache()
-                for layer, (k, v) in enumerate(prompt_kv):
-                    copy.update(k, v, layer)
-                rest.append(self._bottom(model, c, copy))
+                rest.append(self._bottom(model, c, cache_on(prompt_kv)))
             self.kept[key] = (h, rest)
         return self.kept[key]
 
@@ -644,9 +649,7 @@ def _shared_prompt_logprobs(model, prompt_ids, conts, chunk, max_tokens, hidden)
                                                                LOGITS_BUDGET // (L * model.config.vocab_size)))
         for part in (group[k:k + rows] for k in range(0, len(group), rows)):
             n = len(part)
-            cache = DynamicCache()
-            for layer, (k, v) in enumerate(prompt_kv):  # [1, ...] -> [n, ...]
-                cache.update(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1), layer)
+            cache = cache_on(prompt_kv, rows=n)
             ids = torch.zeros((n, L), dtype=torch.long, device=device)
             mask = torch.zeros((n, len(prompt_ids) + L), dtype=torch.long, device=device)
             mask[:, :len(prompt_ids)] = 1

@@ -235,6 +235,33 @@ def test_decoding_drops_finished_rows_and_equals_generate(tiny_model):
     assert len(hot.generate(["Write f(x).", "Hi"])) == 2
 
 
+def test_growing_cache_holds_what_dynamic_cache_holds_without_a_copy_per_step():
+    """models.growing_cache: after a prefill, decoding steps, a row selection with repeats and an
+    update past its reserve, every layer holds exactly DynamicCache's keys and values; a step within
+    the reserve writes into the buffer it has (no reallocation, unlike DynamicLayer's concatenation)."""
+    import torch
+    from transformers import DynamicCache
+    torch.manual_seed(0)
+    ours, ref = models.growing_cache(4), DynamicCache()
+    chunks = [torch.randn(3, 2, n, 5) for n in (6, 1, 1, 1)]
+    for x in chunks:
+        for cache in (ours, ref):
+            for layer in range(2):
+                cache.update(x + layer, -x, layer)
+    assert ours.get_seq_length() == ref.get_seq_length() == 9
+    ptr = ours.layers[0].buffers[0].data_ptr()
+    ours.update(chunks[1] * 2, chunks[1], 0), ref.update(chunks[1] * 2, chunks[1], 0)  # the reserve's 4th position
+    assert ours.layers[0].buffers[0].data_ptr() == ptr  # written in place
+    pick = torch.tensor([2, 0, 0])
+    ours.batch_select_indices(pick), ref.batch_select_indices(pick)
+    for cache in (ours, ref):  # 12 positions: past the reserve, the buffer grows (once)
+        for layer in range(2):
+            cache.update(torch.ones(3, 2, 2, 5) * layer, torch.zeros(3, 2, 2, 5), layer)
+    for a, b in zip(ours.layers, ref.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert ours.layers[0].keys.shape == (3, 2, 12, 5)
+
+
 @pytest.fixture(scope="module")
 def bos_model(tmp_path_factory):
     from conftest import build_tiny_model

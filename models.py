@@ -160,7 +160,7 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
 def growing_cache(reserve):
     """A DynamicCache whose layers write each step's keys and values into a buffer with room for
     reserve more positions, instead of concatenating (DynamicLayer copies the whole cache at every
-    decoding step: a sixth of a rollout's time on a CPU). The model reads the same values, as views."""
+    decoding step: a tenth of an html rollout's time on a CPU). The model reads the same values, as views."""
     from transformers import DynamicCache
     from transformers.cache_utils import Cache, DynamicLayer
 

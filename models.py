@@ -184,6 +184,11 @@ def growing_cache(reserve):
             self.keys, self.values = (b[..., :n + m, :] for b in self.buffers)
             return self.keys, self.values
 
+        def crop(self, *args, **kwargs):  # DynamicLayer's crop shortens the views; the next write follows them
+            super().crop(*args, **kwargs)
+            if self.is_initialized and self.buffers is not None:
+                self.length = self.keys.shape[-2]
+
         def batch_select_indices(self, indices):
             if self.get_seq_length() > 0:
                 self.buffers = [b[indices, ...] for b in self.buffers]

@@ -62,8 +62,6 @@ for dtype in (torch.float32, torch.bfloat16):
 
         def decode_step():
             model(input_ids=ctx[:, :1], past_key_values=cache, use_cache=True, logits_to_keep=1)
-            for layer in cache.layers:  # keep the cache at --context tokens
-                layer.length -= 1
-                layer.keys, layer.values = (b[..., :layer.length, :] for b in layer.buffers)
+            cache.crop(-1)  # keep the cache at --context tokens
         s = timed(decode_step, a.repeats * 5)
     print(f"decoding step, {a.rows} rows on {a.context} cached tokens, {str(dtype)[6:]} weights: {s * 1000:.0f} ms", flush=True)

@@ -236,8 +236,8 @@ def test_decoding_drops_finished_rows_and_equals_generate(tiny_model):
 
 
 def test_growing_cache_holds_what_dynamic_cache_holds_without_a_copy_per_step():
-    """models.growing_cache: after a prefill, decoding steps, a row selection with repeats and an
-    update past its reserve, every layer holds exactly DynamicCache's keys and values; a step within
+    """models.growing_cache: after a prefill, decoding steps, a row selection with repeats, an update
+    past its reserve and a crop, every layer holds exactly DynamicCache's keys and values; a step within
     the reserve writes into the buffer it has (no reallocation, unlike DynamicLayer's concatenation)."""
     import torch
     from transformers import DynamicCache
@@ -260,6 +260,11 @@ def test_growing_cache_holds_what_dynamic_cache_holds_without_a_copy_per_step():
     for a, b in zip(ours.layers, ref.layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     assert ours.layers[0].keys.shape == (3, 2, 12, 5)
+    for cache in (ours, ref):  # crop, then a step: it is written where the cropped cache ends
+        cache.crop(-3)
+        cache.update(chunks[2] * 3, chunks[2], 0)
+    assert ours.get_seq_length() == ref.get_seq_length() == 10
+    assert torch.equal(ours.layers[0].keys, ref.layers[0].keys) and torch.equal(ours.layers[0].values, ref.layers[0].values)
 
 
 @pytest.fixture(scope="module")

@@ -437,14 +437,14 @@ def shared_prefix_turn_logprobs(model, trajs, chunk=1024, bottom=None):
         inputs = [{"inputs_embeds": bottom.hidden(model, x)} for x in ids]
     part = lambda i, s: {k: v[:, s] for k, v in inputs[i].items()}
     with bottom.top(model) if bottom is not None else contextlib.nullcontext():
-        out = model(**part(0, slice(None, p)), past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+        out = model(**part(0, slice(None, p)), **with_cache(model, DynamicCache()), use_cache=True, logits_to_keep=1)
         first = out.logits[0, -1]  # predicts token p of every trajectory
-        prefix_kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        prefix_kv = [(layer.keys, layer.values) for layer in cache_of(out).layers]
         results = []
         for i, ((seqs, n), x, o, pos) in enumerate(zip(trajs, ids, tof, agent)):
             cache = cache_on(prefix_kv)  # a rest appends to a fresh cache, never to the prefix's tensors
             need = [a - p - 1 for a in pos if a > p]  # rest position j predicts token p + j + 1
-            logits = model(**part(i, slice(p, None)), past_key_values=cache,
+            logits = model(**part(i, slice(p, None)), **with_cache(model, cache),
                            logits_to_keep=torch.tensor(need or [0], device=device)).logits[0]
             lg = torch.cat([first[None]] + ([logits] if need else [])) if pos[0] == p else logits
             tg = torch.tensor([x[a] for a in pos], device=device)
@@ -453,6 +453,23 @@ def shared_prefix_turn_logprobs(model, trajs, chunk=1024, bottom=None):
             results.append((torch.zeros(n, device=device).index_add(0, turn, logp),
                             torch.zeros(n, device=device).index_add(0, turn, torch.ones_like(logp))))
     return results
+
+
+def with_cache(model, cache):
+    """{name: cache} for a forward: transformers 5.2x calls the KV cache `cache` (`past_key_values` warns
+    there and goes in 5.40); 5.19, the one vLLM pins, knows only `past_key_values`."""
+    import inspect
+    if type(model) not in _CACHE_NAME:
+        _CACHE_NAME[type(model)] = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {_CACHE_NAME[type(model)]: cache}
+
+
+_CACHE_NAME = {}
+
+
+def cache_of(out):
+    """The KV cache a forward returned, under either name (with_cache)."""
+    return out["cache"] if "cache" in out else out["past_key_values"]
 
 
 def cache_on(kv, rows=1):
@@ -521,7 +538,7 @@ class FrozenBottom:
         try:
             with torch.no_grad():
                 model(input_ids=torch.tensor([ids], device=next(model.parameters()).device),
-                      past_key_values=cache, use_cache=cache is not None)
+                      **with_cache(model, cache), use_cache=cache is not None)
         except FrozenBottom._Stop:
             pass
         finally:
@@ -638,9 +655,9 @@ def _shared_prompt_logprobs(model, prompt_ids, conts, chunk, max_tokens, hidden)
     from transformers import DynamicCache
     device = next(model.parameters()).device
     prompt_in = {"input_ids": torch.tensor([prompt_ids], device=device)} if hidden is None else {"inputs_embeds": hidden[0]}
-    out = model(**prompt_in, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+    out = model(**prompt_in, **with_cache(model, DynamicCache()), use_cache=True, logits_to_keep=1)
     first = torch.log_softmax(out.logits[0, -1].float(), -1)[[c[0] for c in conts]]  # the prompt's last position predicts token 0
-    prompt_kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+    prompt_kv = [(layer.keys, layer.values) for layer in cache_of(out).layers]
     del out
     sums = list(first)
     for group in length_groups([len(c) for c in conts]):
@@ -662,7 +679,7 @@ def _shared_prompt_logprobs(model, prompt_ids, conts, chunk, max_tokens, hidden)
                 for row, i in enumerate(part):
                     inputs["inputs_embeds"][row, :len(conts[i])] = hidden[1][i][0]
             # position j of the batch predicts continuation token j+1 (the last position predicts nothing)
-            logits = model(**inputs, past_key_values=cache, attention_mask=mask,
+            logits = model(**inputs, **with_cache(model, cache), attention_mask=mask,
                            logits_to_keep=torch.arange(L - 1, device=device) if L > 1 else 1).logits  # [n, L-1, vocab]
             del cache
             for row, i in enumerate(part):

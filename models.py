@@ -25,7 +25,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from common import CACHE_DIR, ChatClient, DataError
+from common import CACHE_DIR, ChatClient, DataError, cache_of, with_cache
 
 # ----------------------------------------------------------------------------------------------
 # The embedded default (SmolLM2-135M-Instruct from PyPI) and loading
@@ -269,9 +269,9 @@ class HFSampler:
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
         with torch.no_grad():
             for step in range(self.max_new_tokens):
-                out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                out = model(input_ids=ids, attention_mask=mask, position_ids=pos, **with_cache(model, cache),
                             use_cache=True, logits_to_keep=1)
-                cache, logits = out.past_key_values, out.logits[:, -1].float()
+                cache, logits = cache_of(out), out.logits[:, -1].float()
                 if step == 0 and expand is not None:
                     cache.batch_select_indices(expand)
                     logits, mask, pos = logits[expand], mask[expand], pos[expand]

@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+import common  # noqa: E402
 import models  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__)
@@ -58,10 +59,10 @@ ctx = torch.randint(0, 1000, (a.rows, a.context))
 for dtype in (torch.float32, torch.bfloat16):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     with torch.no_grad():
-        cache = model(input_ids=ctx, use_cache=True, past_key_values=models.growing_cache(64)).past_key_values
+        cache = common.cache_of(model(input_ids=ctx, use_cache=True, **common.with_cache(model, models.growing_cache(64))))
 
         def decode_step():
-            model(input_ids=ctx[:, :1], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=ctx[:, :1], **common.with_cache(model, cache), use_cache=True, logits_to_keep=1)
             cache.crop(-1)  # keep the cache at --context tokens
         s = timed(decode_step, a.repeats * 5)
     print(f"decoding step, {a.rows} rows on {a.context} cached tokens, {str(dtype)[6:]} weights: {s * 1000:.0f} ms", flush=True)

@@ -267,6 +267,30 @@ def test_growing_cache_holds_what_dynamic_cache_holds_without_a_copy_per_step():
     assert torch.equal(ours.layers[0].keys, ref.layers[0].keys) and torch.equal(ours.layers[0].values, ref.layers[0].values)
 
 
+def test_forward_names_the_kv_cache_as_the_installed_transformers_does(tiny_model):
+    """common.with_cache passes the KV cache under the name the model's forward takes (`cache` on
+    transformers 5.2x, where `past_key_values` is deprecated; `past_key_values` on 5.19, vLLM's pin), so
+    decoding, the shared-prompt log-probs and the shared-prefix turn log-probs warn of nothing."""
+    import inspect
+    import warnings
+    import torch
+    sampler = models.HFSampler(tiny_model, 0.0, 1.0, 6, reuse_cache=True)
+    takes_cache = "cache" in inspect.signature(sampler.model.forward).parameters
+    assert list(common.with_cache(sampler.model, None)) == ["cache" if takes_cache else "past_key_values"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert len(sampler.generate(["Write f(x).", "Hi"], ["a/0", "b/0"])[0]) > 0
+        common.shared_prompt_logprobs(sampler.model, [5, 6, 7, 8], [[9, 10, 11], [12, 13]])
+        common.shared_prefix_turn_logprobs(sampler.model, [([([5, 6, 7, 8, 9], [-1, -1, -1, 0, 0])], 1),
+                                                           ([([5, 6, 7, 8, 10, 11], [-1, -1, -1, 0, 0, 0])], 1)])
+    assert not [str(w.message) for w in caught if "past_key_values" in str(w.message)]
+
+    class OldForward(torch.nn.Module):  # the signature of a 5.19 forward: no `cache`
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None, **kwargs):
+            return None
+    assert common.with_cache(OldForward(), "kv") == {"past_key_values": "kv"}
+
+
 @pytest.fixture(scope="module")
 def bos_model(tmp_path_factory):
     from conftest import build_tiny_model

@@ -4,9 +4,12 @@ Apart from label_turns.py's sample -> score -> pair, which only calls in here.
 On procedural tasks the scripted human's facts give every candidate turn a true class: on code
 (colbench.turn_class) a question that reveals an unknown fact, or an answer that passes the tests,
 is good; on frontend pages (colbench.design_turn_class) a question or a shown draft that reveals an
-unknown design fact, or an answer whose render matches every design fact. label_turns stores them in PAIRS.states.jsonl with every critic's advantages; here each
-critic is scored on every two candidates of a state whose classes differ (turn-credit accuracy), and
-the DPO pairs are counted as the true classes call them: right, wrong, or same class.
+unknown design fact, or an answer whose render matches every design fact. label_turns stores them in
+PAIRS.states.jsonl with every critic's advantages; here each critic is scored on every two candidates
+of a state whose classes differ (turn-credit accuracy), and the DPO pairs are counted as the true
+classes call them: right, wrong, or same class. Beside the critics stands the best fixed order of
+turn kinds (say draft > question > answer, in every state): what a blanket preference earns without
+reading the state, the baseline a critic's accuracy should clear.
 
     python credit.py --pairs runs/default/pairs.jsonl   # report again, e.g. after `cat` of shard files
     python credit.py --pairs runs/default/pairs.jsonl --trajectories runs/default/train_graded.jsonl --critics mine=DIR
@@ -21,6 +24,7 @@ ColBench's own tasks get no credit report.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from dataclasses import dataclass
@@ -128,6 +132,27 @@ def credit_by_kind(states, name):
     return {k: [round(h / n, 4), n] for k, (h, n) in sorted(hits.items())}
 
 
+def kind_order(states):
+    """The baseline a critic's turn-credit must beat: the best accuracy of a rule that looks only at what a
+    turn is, one fixed order of kinds in every state (e.g. draft > question > answer; ties within a kind).
+    Its accuracy says how much of the score a blanket preference earns; the rest needs the state.
+    Returns {"order": "draft > question > answer", "accuracy": a} or None without class pairs."""
+    labelled = [s for s in states if s.get("classes")]
+    best = None
+    for order in itertools.permutations(sorted({turn_kind(c) for s in labelled for c in s["candidates"]})):
+        rank = {kind: -i for i, kind in enumerate(order)}
+        ranked = [{"classes": s["classes"], "advantages_by_critic": {"kinds": [rank[turn_kind(c)] for c in s["candidates"]]}}
+                  for s in labelled]
+        acc = credit_accuracy(ranked, "kinds")[0]
+        if acc is not None and (best is None or acc > best["accuracy"]):
+            best = {"order": " > ".join(order), "accuracy": acc}
+    return best
+
+
+def kind_order_line(k):
+    return f"best fixed order of turn kinds (no state): {k['order']} {k['accuracy']:.3f}" if k else ""
+
+
 def dpo_pair_classes(states, pairs):
     """How the DPO pairs stand against the true classes: right (a good turn chosen over a bad one),
     wrong (bad over good), same_class (the pair says nothing the true classes could check)."""
@@ -157,6 +182,7 @@ def report(out_path, critics=None):
     for name in [*critics, "untrained"]:
         report["credit_accuracy"][name], report["class_pairs"][name] = credit_accuracy(states, name)
     report["by_kind"] = {name: credit_by_kind(states, name) for name in critics}
+    report["kind_order"] = kind_order(states)
     if report["states_with_classes"]:
         pairs = [r for _, r in common.read_jsonl(out_path)] if Path(out_path).exists() else []
         report["dpo_pairs"] = dpo_pair_classes(states, pairs)
@@ -164,6 +190,7 @@ def report(out_path, critics=None):
         print("turn-credit accuracy (pairs of candidates with different true classes): " +
               ", ".join(f"{k} {v:.3f}" if v is not None else f"{k} -" for k, v in report["credit_accuracy"].items()),
               file=sys.stderr)
+        print(kind_order_line(report["kind_order"]), file=sys.stderr)
         print("DPO pairs against the true classes: " + ", ".join(f"{k} {v}" for k, v in report["dpo_pairs"].items()),
               file=sys.stderr)
         for name, split in report["by_kind"].items():
@@ -191,9 +218,11 @@ def rescore(pairs_path, trajectories, critic_dirs, max_len=16384, max_batch_toke
     for name in [*critic_dirs, "untrained"]:
         out["credit_accuracy"][name], out["class_pairs"][name] = credit_accuracy(states, name)
     out["by_kind"] = {name: credit_by_kind(states, name) for name in critic_dirs}
+    out["kind_order"] = kind_order(states)
     common.write_text(f"{pairs_path}.credit_rescored.json", json.dumps(out, indent=2))
     print("turn-credit accuracy on the stored candidates: " + ", ".join(
         f"{k} {v:.3f}" if v is not None else f"{k} -" for k, v in out["credit_accuracy"].items()))
+    print(kind_order_line(out["kind_order"]))
     return out
 
 

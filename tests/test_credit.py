@@ -97,6 +97,21 @@ def test_credit_accuracy_counts_ties_half():
     assert credit.credit_accuracy(states, "missing") == (None, 0)
 
 
+def test_kind_order_is_the_best_state_blind_ranking_of_turn_kinds():
+    """credit.kind_order: the best accuracy over every fixed order of turn kinds, ties within a kind half."""
+    answer = lambda page: f"{colbench.ANSWER_MARKER} <html><body>{page}</body></html>"
+    draft = "Here is a draft: <html><body>a</body></html>"
+    states = [{"candidates": [draft, "What colour?", answer("a")], "classes": ["good", "bad", "bad"]},
+              {"candidates": ["What size?", answer("x")], "classes": ["good", "bad"]},
+              {"candidates": [answer("y"), "Which font?"], "classes": ["good", "bad"]},  # here answering is right
+              {"candidates": ["Which font?", answer("z")], "classes": ["good", "bad"]},
+              {"candidates": ["Ask a?", "Ask b?"], "classes": ["good", "bad"]},  # one kind: a tie, half
+              {"candidates": ["no classes"]}]
+    # draft > question > answer: 2 + 1 + 0 + 1 + 0.5 of 6; draft > answer > question gets 2 + 0 + 1 + 0 + 0.5
+    assert credit.kind_order(states) == {"order": "draft > question > answer", "accuracy": pytest.approx(4.5 / 6)}
+    assert credit.kind_order([{"candidates": ["x"]}]) is None
+
+
 def test_dpo_pair_classes_judge_each_pair_by_its_state():
     key = {"task_id": "t", "sample": 0}
     states = [{**key, "turn": 0, "candidates": ["ask x", "answer", "ask y"], "classes": ["good", "bad", "bad"]},

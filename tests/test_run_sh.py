@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+import credit
 from conftest import ROOT
 
 
@@ -41,18 +42,20 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
     # the three critics (SWEET, trajectory mean, no training info) and the untrained reference were scored
     assert set(res["credit_accuracy"]) == {"sweet", "trajectory_mean", "no_training_info", "untrained"}
     assert res["credit_accuracy"]["untrained"] in (None, 0.5)
-    credit = json.loads((tmp_path / "run" / "pairs.jsonl.credit.json").read_text())  # every DPO pair judged once
+    report = json.loads((tmp_path / "run" / "pairs.jsonl.credit.json").read_text())  # every DPO pair judged once
     n_pairs = len((tmp_path / "run" / "pairs.jsonl").read_text().splitlines())
-    assert set(credit["dpo_pairs"]) == {"right", "wrong", "same_class"} and sum(credit["dpo_pairs"].values()) == n_pairs
+    assert set(report["dpo_pairs"]) == {"right", "wrong", "same_class"} and sum(report["dpo_pairs"].values()) == n_pairs
+    states = [json.loads(line) for line in (tmp_path / "run" / "pairs.jsonl.states.jsonl").read_text().splitlines()]
+    assert res.get("credit_kind_order") == report["kind_order"] == credit.kind_order(states)  # the state-blind baseline
     # credit.py --critics: the stored candidates scored anew; the same critic gives the same accuracy
     run = tmp_path / "run"
     subprocess.run([sys.executable, "credit.py", "--pairs", run / "pairs.jsonl", "--trajectories", run / "train_graded.jsonl",
                     "--critics", f"again={run / 'critic'},no_info={run / 'critic_no_training_info'}"], cwd=ROOT, check=True)
     again = json.loads((run / "pairs.jsonl.credit_rescored.json").read_text())
     for new, old in (("again", "sweet"), ("no_info", "no_training_info")):
-        assert again["class_pairs"][new] == credit["class_pairs"][old]
-        assert again["credit_accuracy"][new] == credit["credit_accuracy"][old] or \
-            again["credit_accuracy"][new] == pytest.approx(credit["credit_accuracy"][old])
+        assert again["class_pairs"][new] == report["class_pairs"][old]
+        assert again["credit_accuracy"][new] == report["credit_accuracy"][old] or \
+            again["credit_accuracy"][new] == pytest.approx(report["credit_accuracy"][old])
     assert "run directory" in p.stdout and "N_TEST=2" in p.stdout  # the settings in use are printed
     train = json.loads((tmp_path / "run" / "train_summary.json").read_text())
     assert train["num_trajectories"] == 6 and train["success_rate"] >= 0.5  # the oracle's half succeeds
@@ -82,6 +85,7 @@ def test_run_sh_html_loop(tiny_model, tmp_path):
     assert set(res["credit_accuracy"]) == {"sweet", "no_training_info", "untrained"}
     states = read(tmp_path / "run" / "pairs.jsonl.states.jsonl")  # every labelled state has its true classes
     assert states and all(set(st["classes"]) <= {"good", "bad"} for st in states)
+    assert res.get("credit_kind_order") == credit.kind_order(states)  # the state-blind baseline, beside the critics
     sel = json.loads((tmp_path / "run" / "select_sweet.json").read_text())
     assert "similarity" in sel["methods"]["start"] and res["methods"]["sweet_rl"]["policy"] == sel["selected_policy"]
     train = read(tmp_path / "run" / "train_graded.jsonl")

@@ -137,12 +137,11 @@ def kind_order(states):
     turn is, one fixed order of kinds in every state (e.g. draft > question > answer; ties within a kind).
     Its accuracy says how much of the score a blanket preference earns; the rest needs the state.
     Returns {"order": "draft > question > answer", "accuracy": a} or None without class pairs."""
-    labelled = [s for s in states if s.get("classes")]
+    labelled = [(s["classes"], [turn_kind(c) for c in s["candidates"]]) for s in states if s.get("classes")]
     best = None
-    for order in itertools.permutations(sorted({turn_kind(c) for s in labelled for c in s["candidates"]})):
+    for order in itertools.permutations(sorted({k for _, kinds in labelled for k in kinds})):
         rank = {kind: -i for i, kind in enumerate(order)}
-        ranked = [{"classes": s["classes"], "advantages_by_critic": {"kinds": [rank[turn_kind(c)] for c in s["candidates"]]}}
-                  for s in labelled]
+        ranked = [{"classes": classes, "advantages_by_critic": {"kinds": [rank[k] for k in kinds]}} for classes, kinds in labelled]
         acc = credit_accuracy(ranked, "kinds")[0]
         if acc is not None and (best is None or acc > best["accuracy"]):
             best = {"order": " > ".join(order), "accuracy": acc}
@@ -151,6 +150,19 @@ def kind_order(states):
 
 def kind_order_line(k):
     return f"best fixed order of turn kinds (no state): {k['order']} {k['accuracy']:.3f}" if k else ""
+
+
+def accuracies(states, critics):
+    """Every critic's turn-credit accuracy (and 'untrained', pi_ref: advantage 0 for every turn), its
+    split by kind, and the state-blind kind order beside them: the fields both reports share."""
+    out = {"credit_accuracy": {}, "class_pairs": {}}
+    for name in [*critics, "untrained"]:
+        out["credit_accuracy"][name], out["class_pairs"][name] = credit_accuracy(states, name)
+    return {**out, "by_kind": {name: credit_by_kind(states, name) for name in critics}, "kind_order": kind_order(states)}
+
+
+def accuracy_line(acc):
+    return ", ".join(f"{k} {v:.3f}" if v is not None else f"{k} -" for k, v in acc.items())
 
 
 def dpo_pair_classes(states, pairs):
@@ -172,24 +184,19 @@ def report(out_path, critics=None):
     states of out_path, printed and written to PAIRS.credit.json. 'untrained' is pi_ref itself as
     critic: its advantage is 0 for every turn."""
     states = [r for _, r in common.read_jsonl(Path(f"{out_path}.states.jsonl"))] if Path(f"{out_path}.states.jsonl").exists() else []
-    report = {"states": len(states), "states_with_classes": sum("classes" in s for s in states), "credit_accuracy": {},
-              "class_pairs": {}}
     for s in states:  # the untrained critic is pi_ref: log pi_ref - log pi_ref = 0 for every turn
         if "advantages_by_critic" in s:
             s["advantages_by_critic"]["untrained"] = [0.0] * len(s["candidates"])
     if critics is None:
         critics = list(dict.fromkeys(k for s in states for k in s.get("advantages_by_critic", {}) if k != "untrained"))
-    for name in [*critics, "untrained"]:
-        report["credit_accuracy"][name], report["class_pairs"][name] = credit_accuracy(states, name)
-    report["by_kind"] = {name: credit_by_kind(states, name) for name in critics}
-    report["kind_order"] = kind_order(states)
+    report = {"states": len(states), "states_with_classes": sum("classes" in s for s in states),
+              **accuracies(states, critics)}
     if report["states_with_classes"]:
         pairs = [r for _, r in common.read_jsonl(out_path)] if Path(out_path).exists() else []
         report["dpo_pairs"] = dpo_pair_classes(states, pairs)
         common.write_text(f"{out_path}.credit.json", json.dumps(report, indent=2))
         print("turn-credit accuracy (pairs of candidates with different true classes): " +
-              ", ".join(f"{k} {v:.3f}" if v is not None else f"{k} -" for k, v in report["credit_accuracy"].items()),
-              file=sys.stderr)
+              accuracy_line(report["credit_accuracy"]), file=sys.stderr)
         print(kind_order_line(report["kind_order"]), file=sys.stderr)
         print("DPO pairs against the true classes: " + ", ".join(f"{k} {v}" for k, v in report["dpo_pairs"].items()),
               file=sys.stderr)
@@ -214,14 +221,9 @@ def rescore(pairs_path, trajectories, critic_dirs, max_len=16384, max_batch_toke
                                    f"{trajectories} (pass the trajectories label_turns.py read)")
         s["advantages_by_critic"] = scorer.advantages(traj["task"], colbench.agent_turns(traj)[s["turn"]][0], s["candidates"])
         s["advantages_by_critic"]["untrained"] = [0.0] * len(s["candidates"])
-    out = {"states": len(states), "critics": critic_dirs, "credit_accuracy": {}, "class_pairs": {}}
-    for name in [*critic_dirs, "untrained"]:
-        out["credit_accuracy"][name], out["class_pairs"][name] = credit_accuracy(states, name)
-    out["by_kind"] = {name: credit_by_kind(states, name) for name in critic_dirs}
-    out["kind_order"] = kind_order(states)
+    out = {"states": len(states), "critics": critic_dirs, **accuracies(states, list(critic_dirs))}
     common.write_text(f"{pairs_path}.credit_rescored.json", json.dumps(out, indent=2))
-    print("turn-credit accuracy on the stored candidates: " + ", ".join(
-        f"{k} {v:.3f}" if v is not None else f"{k} -" for k, v in out["credit_accuracy"].items()))
+    print("turn-credit accuracy on the stored candidates: " + accuracy_line(out["credit_accuracy"]))
     print(kind_order_line(out["kind_order"]))
     return out
 

@@ -21,7 +21,7 @@ if [ "${TASK_TYPE:-code}" = html ] && [ "${SMALL:-0}" != 1 ] && [ -z "${TRAIN_TA
   # WARM_BAND: on SEED=0 the start's exact-design rate was 18% at hasty 0.6, 24% at 0.5 and 24% at 0.4, so html's
   # band starts lower than code's and hasty starts at 0.5; LR_CRITIC: html turn-credit accuracy on SEED=0's stored
   # candidates, 0.661 at 1e-4 and 0.712 at 3e-4 (docs/frontend.md)
-  : "${N_TEST:=150}" "${N_WARMUP:=240}" "${ORACLE_HASTY:=0.5}" "${WARM_BAND:=0.15,0.5}" "${WARMUP_TRIES:=1}"
+  : "${N_TEST:=150}" "${N_WARMUP:=240}" "${ORACLE_HASTY:=0.5}" "${WARM_BAND=0.15,0.5}" "${WARMUP_TRIES:=1}"
   : "${N_TRAIN:=30}" "${N_VAL:=25}" "${CANDIDATES:=6}" "${DATA_FRACTION:=0.25}" "${LR_CRITIC:=3e-4}"
   # ORACLE_SAMPLES 1: a complete-oracle dialogue per train page gives the critic clean successes; on SEED=0's
   # stored candidates turn-credit 0.693 -> 0.736, validation +5.8 -> +8.6 (docs/frontend.md, "Off-policy oracle")
@@ -30,6 +30,10 @@ if [ "${TASK_TYPE:-code}" = html ] && [ "${SMALL:-0}" != 1 ] && [ -z "${TRAIN_TA
   # validated best; at the pass's end 18 of the 50 validation dialogues never answered (docs/frontend.md)
   : "${DPO_EPOCHS:=0.67}" "${SNAPSHOTS:=1}"
   : "${REPORT_DIALOGUES:=20}"  # the viewer over html dialogues took 3.8 min at 40 per method
+  # TRAIN_DTYPE bfloat16 where the CPU has bf16 instructions: the critics and DPO under bf16 autocast (fp32
+  # weights), the warm-up SFT still fp32 (WARMUP_DTYPE auto), as a bf16 warm-up is another starting policy
+  # (docs/frontend.md, "bf16 critics and DPO")
+  : "${TRAIN_DTYPE:=$(grep -qsE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo bfloat16 || echo auto)}" "${WARMUP_DTYPE:=auto}"
 fi
 TRAIN_TASKS=${TRAIN_TASKS:-}          # ColBench data (a JSONL or a `datasets` folder) instead of procedural train tasks
 TEST_TASKS=${TEST_TASKS:-}            # ... and test tasks
@@ -45,7 +49,7 @@ WARMUP=${WARMUP:-$([ "$MODEL" = embedded ] && echo 1 || echo 0)}  # oracle-dialo
 N_WARMUP=${N_WARMUP:-120}             # warm-up tasks (oracle dialogues)
 WARMUP_FAMILIES=${WARMUP_FAMILIES:-}  # code families of the warm-up tasks (empty: all, like train and test)
 ORACLE_HASTY=${ORACLE_HASTY:-0.8}     # warm-up: share of oracle dialogues that answer before every fact is known (docs/curriculum.md)
-WARM_BAND=${WARM_BAND:-0.25,0.5}      # warm-up calibration: the starting policy's validation success should lie in this band (empty: no check)
+WARM_BAND=${WARM_BAND-0.25,0.5}       # warm-up calibration: the starting policy's validation success should lie in this band (empty: no check)
 WARMUP_TRIES=${WARMUP_TRIES:-2}       # ... redoing the warm-up at most this many times, ORACLE_HASTY moved by HASTY_STEP each time
 HASTY_STEP=${HASTY_STEP:-0.1}
 ORACLE_DETOUR=${ORACLE_DETOUR:-0.2}   # warm-up: chance that an oracle question asks about nothing the human knows
@@ -76,6 +80,7 @@ NPROC=${NPROC:-1}                     # processes (GPUs) per stage: training und
 AGENT_BACKEND=${AGENT_BACKEND:-}      # how rollouts and label_turns sample the policy: hf | vllm (empty: vllm when installed and MODEL is not embedded)
 GRAD_CKPT=${GRAD_CKPT:-$([ "$MODEL" = embedded ] && echo 0 || echo 1)}  # activation checkpointing in critic and DPO training
 TRAIN_DTYPE=${TRAIN_DTYPE:-auto}      # training's compute: auto (bf16 on GPU, fp32 on CPU) | bfloat16 (CPU: ~1.8x faster, docs/speed.md) | float32
+WARMUP_DTYPE=${WARMUP_DTYPE:-$TRAIN_DTYPE}  # ... of the warm-up SFT alone
 SEED=${SEED:-0}
 SIMULATOR_URL=${SIMULATOR_URL:-}      # empty: start the embedded scripted human
 BASELINES=${BASELINES:-0}
@@ -85,7 +90,7 @@ PROMPT_DIR=${PROMPT_DIR:-}            # prompt templates replacing ours (e.g. a 
 
 KNOWN="SMALL TRAIN_TASKS TEST_TASKS RUN MODEL WARMUP N_WARMUP WARMUP_FAMILIES ORACLE_HASTY WARM_BAND WARMUP_TRIES HASTY_STEP ORACLE_DETOUR N_TRAIN N_TEST N_VAL VAL_SAMPLES SNAPSHOTS SAMPLES ORACLE_SAMPLES
   CANDIDATES PAIRS_PER_STATE DATA_FRACTION DPO_EPOCHS TEMPERATURE TRAIN_TEMPERATURE TOP_P MAX_TURNS MAX_NEW_TOKENS LR_WARMUP LR_CRITIC LR_DPO
-  CRITIC_EPOCHS CREDIT_VARIANTS TRAIN_LAYERS BATCH_SIZE NPROC AGENT_BACKEND GRAD_CKPT TRAIN_DTYPE SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL PROMPT_DIR REPORT_DIALOGUES SETUP PY"
+  CRITIC_EPOCHS CREDIT_VARIANTS TRAIN_LAYERS BATCH_SIZE NPROC AGENT_BACKEND GRAD_CKPT TRAIN_DTYPE WARMUP_DTYPE SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL PROMPT_DIR REPORT_DIALOGUES SETUP PY"
 echo "run.sh: run directory $RUN$([ -d "$RUN" ] && echo ' (exists: finished stages are reused)')"
 for v in OUT_DIR OUTPUT_DIR RUN_DIR OUTPUT; do  # easy mistakes: run.sh reads RUN
   if [ -n "${!v-}" ]; then echo "run.sh: warning: $v is set but run.sh does not read it; the run directory is RUN=$RUN" >&2; fi
@@ -104,7 +109,7 @@ train() {  # a training stage; it continues from OUTPUT_DIR/resume when a killed
     if [ "${a[i]}" = --output_dir ] && { [ -d "${a[i+1]}/resume" ] || [ -d "${a[i+1]}/resume.old" ]; }; then a+=(--resume); fi
   done
   [ "$GRAD_CKPT" = 1 ] && a+=(--grad_ckpt)
-  a+=(--dtype "$TRAIN_DTYPE")
+  a+=(--dtype "${STAGE_DTYPE:-$TRAIN_DTYPE}")  # STAGE_DTYPE=...: one stage's own
   if [ "$NPROC" -gt 1 ]; then "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" "${a[@]}"; else "$PY" "${a[@]}"; fi
 }
 sample() {  # sample OUT SCRIPT ARGS: with NPROC > 1, NPROC ranks (torchrun) each sample their shard of the work on their
@@ -183,7 +188,7 @@ if [ "$WARMUP" = 1 ]; then
     rollout "$MODEL" "$RUN/warmup_tasks.jsonl" "$RUN/warmup_oracle$sfx.jsonl" --agent_backend oracle \
       --oracle_hasty "$hasty" --oracle_detour "$ORACLE_DETOUR"
     evaluate "$RUN/warmup_oracle$sfx.jsonl" "warmup_oracle$sfx"
-    have "$RUN/policy_warm$sfx" || train train_dpo.py --mode sft --sft_on all --trajectories "$RUN/warmup_oracle${sfx}_graded.jsonl" \
+    have "$RUN/policy_warm$sfx" || STAGE_DTYPE=$WARMUP_DTYPE train train_dpo.py --mode sft --sft_on all --trajectories "$RUN/warmup_oracle${sfx}_graded.jsonl" \
       --model "$MODEL" --output_dir "$RUN/policy_warm$sfx" --lr "$LR_WARMUP" --batch_size 8 --task_type "$TASK_TYPE"
     POLICY=$RUN/policy_warm$sfx
     [ "$N_VAL" -gt 0 ] && [ -n "$WARM_BAND" ] || break

@@ -66,9 +66,12 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
 
 def test_run_sh_html_loop(tiny_model, tmp_path):
     """The frontend loop on procedural pages with hidden design facts: oracle dialogues (exact designs)
-    against the tiny model's give critic pairs; html turn classes, selection by similarity and results.json."""
+    against the tiny model's give critic pairs; html turn classes, selection by similarity and results.json.
+    The warm-up SFT trains in WARMUP_DTYPE (html: auto, fp32 here), the critics and DPO in TRAIN_DTYPE (html:
+    bf16 where the CPU has bf16 instructions); an empty WARM_BAND skips the warm-up's calibration."""
     env = {**os.environ, "SETUP": "0", "PY": sys.executable, "RUN": str(tmp_path / "run"), "MODEL": tiny_model,
-           "TASK_TYPE": "html", "WARMUP": "0", "N_TRAIN": "2", "N_TEST": "2", "SAMPLES": "1", "ORACLE_SAMPLES": "1",
+           "TASK_TYPE": "html", "WARMUP": "1", "N_WARMUP": "2", "WARM_BAND": "", "N_TRAIN": "2", "N_TEST": "2",
+           "SAMPLES": "1", "ORACLE_SAMPLES": "1",
            "CANDIDATES": "2", "PAIRS_PER_STATE": "1", "DATA_FRACTION": "1.0", "MAX_TURNS": "4", "MAX_NEW_TOKENS": "8",
            "LR_CRITIC": "1e-3", "LR_DPO": "1e-3", "CRITIC_EPOCHS": "1", "OMP_NUM_THREADS": "1", "N_VAL": "2", "VAL_SAMPLES": "1"}
     p = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -95,6 +98,13 @@ def test_run_sh_html_loop(tiny_model, tmp_path):
     assert (tmp_path / "run" / "report.html").exists()
     dpo = json.loads((tmp_path / "run" / "policy_sweet" / "run_settings.json").read_text())
     assert dpo["epochs"] == 0.67 and dpo["snapshots"] == 1  # html's update: 2/3 of a pass, one snapshot
+    bf16_cpu = any(f in open("/proc/cpuinfo").read() for f in ("avx512_bf16", "amx_bf16"))
+    assert json.loads((tmp_path / "run" / "policy_warm" / "run_settings.json").read_text())["dtype"] == "auto"
+    for stage in ("critic", "critic_no_training_info", "policy_sweet"):
+        assert json.loads((tmp_path / "run" / stage / "run_settings.json").read_text())["dtype"] == \
+            ("bfloat16" if bf16_cpu else "auto"), stage
+    assert "  WARM_BAND=\n" in p.stdout and "starting policy (oracle_hasty" not in p.stdout  # no calibration
+    assert res["methods"]["zero_shot"]["policy"].endswith("policy_warm")
 
 
 def read(path):

@@ -99,6 +99,9 @@ class Args:
     """vllm backend: share of the GPU's memory vLLM may take (the critics and pi_ref need the rest)"""
     max_turns: int = 10
     """the rollouts' turn limit (a candidate at the last turn is an answer, for the turn classes)"""
+    decode_dtype: str = "auto"
+    """hf backend: auto (bf16 weights on a GPU, fp32 on a CPU) | bfloat16 (on a CPU: bf16 matmuls, fp32 weights;
+    ~0.7x a decoding step where the CPU has AVX512-BF16, models.bf16_matmuls) | float32"""
     keep_frozen: bool = True
     """critics trained with --train_layers from pi_ref share its frozen layers: run those once per state
     for all of them and pi_ref (common.FrozenBottom; the same advantages)"""
@@ -232,7 +235,7 @@ def label(args, todo, critic_dirs, critic_settings, ref_name, policy_name, rng, 
     sampler = sampler or models.make_sampler(args.agent_backend, policy_name, args.temperature, args.top_p,
                                                args.max_new_tokens, args.seed, args.agent_url, args.batch_size,
                                                loaded=scorer.ref if policy_name == ref_name else None,
-                                               max_batch_tokens=args.max_batch_tokens)
+                                               max_batch_tokens=args.max_batch_tokens, decode_dtype=args.decode_dtype)
 
     bar = common.tqdm_if(None, True, "states", total=len(todo))
     for first in range(0, len(todo), args.state_batch):  # candidates of state_batch states in one sampling batch

@@ -201,21 +201,67 @@ def growing_cache(reserve):
     return GrowingCache()
 
 
+def sample_rows(probs):
+    """One token per row of probs ([rows, vocab], each row's weights need not sum to 1), drawn by
+    inverting the row's cumulative distribution at one uniform number: the same distribution as
+    torch.multinomial(probs, 1), which on a CPU draws an exponential number for every vocabulary
+    entry (a fifth of an html decoding step at 64 rows). The sum runs in float64, so a token's
+    chance is its weight within ~1e-12 of the row's total; a zero weight is never drawn."""
+    import torch
+    cdf = probs.double().cumsum(-1)
+    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(1)
+
+
+def bf16_matmuls(model):
+    """A copy of model whose linear layers multiply in bf16 (a bf16 copy of each weight; inputs cast
+    to bf16, outputs back to fp32), everything else as it was: on a CPU with AVX512-BF16 an html
+    decoding step at 64 rows takes about 0.7x the time (docs/speed.md). A whole bf16 model decodes
+    slower there (attention and the small ops), so only the matmuls change. The copy samples a
+    policy whose weights are rounded to bf16, as a GPU's bf16 sampler does; every log-prob that
+    enters a loss or an advantage still comes from the training and scoring code, never from it."""
+    import copy
+    import torch
+
+    class Bf16Linear(torch.nn.Module):
+        def __init__(self, linear):
+            super().__init__()
+            self.weight = torch.nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)
+            self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().to(torch.bfloat16),
+                                                                            requires_grad=False)
+
+        def forward(self, x):
+            return torch.nn.functional.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
+
+    model = copy.deepcopy(model)  # a model shared with the caller (label_turns' pi_ref) stays as it is
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(parent, name, Bf16Linear(child))
+    return model
+
+
 class HFSampler:
     """transformers in process: all prompts as one left-padded batch (seeded once per process).
     reuse_cache (rollouts): each dialogue keeps its KV cache from one turn to the next (the key's
     dialogue part, key minus its last '/' field), so a turn runs only the tokens its prompt adds:
     the human's reply and the chat template's markers. Dialogues absent from a call are dropped."""
-    def __init__(self, model, temperature, top_p, max_new_tokens, loaded=None, reuse_cache=False, max_batch_tokens=65536):
+    def __init__(self, model, temperature, top_p, max_new_tokens, loaded=None, reuse_cache=False, max_batch_tokens=65536,
+                 decode_dtype="auto"):
         import torch
         from transformers import AutoModelForCausalLM
         self.torch, self.temperature, self.top_p, self.max_new_tokens = torch, temperature, top_p, max_new_tokens
         self.tok = load_tokenizer(model)
         self.tok.padding_side = "left"
         self.device = local_device()
-        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        if decode_dtype not in ("auto", "bfloat16", "float32"):
+            raise DataError(f"--decode_dtype {decode_dtype}: choose auto, bfloat16 or float32")
+        # auto: bf16 weights on a GPU, fp32 on a CPU; bfloat16 on a CPU: fp32 weights, bf16 matmuls (bf16_matmuls)
+        dtype = torch.bfloat16 if self.device.type == "cuda" and decode_dtype != "float32" else torch.float32
         self.model = loaded if loaded is not None else \
             AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=dtype).to(self.device).eval()
+        if decode_dtype == "bfloat16" and self.model.dtype == torch.float32:
+            self.model = bf16_matmuls(self.model)
         self.max_batch_tokens = max_batch_tokens  # plain generate: rows x (prompt + new tokens) per sub-batch
         self.reuse, self.cache = reuse_cache, {}  # dialogue -> (token ids, [(keys, values)] per layer)
         self.prompt_tokens = {"reused": 0, "run": 0}  # prompt tokens taken from a cache / run through the model
@@ -306,7 +352,8 @@ class HFSampler:
             sorted_p, order = probs.sort(dim=-1, descending=True)
             outside = sorted_p.cumsum(-1) - sorted_p >= self.top_p  # the nucleus is full before this token
             probs = probs.scatter(-1, order, sorted_p.masked_fill(outside, 0.0))
-        return torch.multinomial(probs, 1).squeeze(1)
+        return sample_rows(probs)
+
 
     def generate_reusing(self, prompts, dialogues):
         """One batch whose rows are [pad][cached tokens][pad][new prompt tokens]: the cached part comes
@@ -438,10 +485,10 @@ class VLLMSampler(SeededRequests):
 
 def make_sampler(backend, model, temperature, top_p, max_new_tokens, seed, url="", workers=16,
                  gpu_memory_utilization=0.9, loaded=None, reuse_cache=False, max_model_len=8192,
-                 max_batch_tokens=65536):
-    """The agent's sampler for backend hf | openai | vllm."""
+                 max_batch_tokens=65536, decode_dtype="auto"):
+    """The agent's sampler for backend hf | openai | vllm (decode_dtype: hf only)."""
     if backend == "hf":
-        return HFSampler(model, temperature, top_p, max_new_tokens, loaded, reuse_cache, max_batch_tokens)
+        return HFSampler(model, temperature, top_p, max_new_tokens, loaded, reuse_cache, max_batch_tokens, decode_dtype)
     if backend == "openai":
         return OpenAISampler(model, temperature, top_p, max_new_tokens, seed, url, workers)
     return VLLMSampler(model, temperature, top_p, max_new_tokens, seed, gpu_memory_utilization, max_model_len)

@@ -94,6 +94,9 @@ class Args:
     """oracle backend: share of dialogues with a budget of fewer questions than facts, guessing the rest"""
     oracle_detour: float = 0.0
     """oracle backend: chance that a question is wasted (asks again about a revealed fact, or about nothing the facts cover)"""
+    decode_dtype: str = "auto"
+    """hf backend: auto (bf16 weights on a GPU, fp32 on a CPU) | bfloat16 (on a CPU: bf16 matmuls, fp32 weights;
+    ~0.7x a decoding step where the CPU has AVX512-BF16, models.bf16_matmuls) | float32"""
     reuse_cache: bool = True
     """hf backend: keep each dialogue's KV cache from turn to turn, so a turn runs only its new tokens"""
     prompt_dir: str = ""
@@ -258,7 +261,7 @@ def main(args):
     agent = OracleAgent(args.agent_model, args) if args.agent_backend == "oracle" else models.make_sampler(
         args.agent_backend, args.agent_model, args.temperature, args.top_p, args.max_new_tokens, args.seed + shard,
         args.agent_url, args.batch_size, args.gpu_memory_utilization, reuse_cache=args.reuse_cache,
-        max_model_len=args.max_prompt_tokens + args.max_new_tokens)
+        max_model_len=args.max_prompt_tokens + args.max_new_tokens, decode_dtype=args.decode_dtype)
     max_chars = colbench.HUMAN_MAX_CHARS[args.task_type]
     pool = render.RenderPool(args.render_workers) if args.task_type == "html" else None
     targets = {}  # html: task_id -> the target page's render, once per task

@@ -235,6 +235,45 @@ def test_decoding_drops_finished_rows_and_equals_generate(tiny_model):
     assert len(hot.generate(["Write f(x).", "Hi"])) == 2
 
 
+def test_sampling_draws_each_token_with_its_probability():
+    """models.sample_rows (the hf sampler's draw, an inverted cumulative distribution) gives every token
+    its weight's share of the row, never a zero weight, rows on their own; through HFSampler._pick,
+    top_p keeps only the nucleus, in proportion."""
+    import torch
+    torch.manual_seed(0)
+    n = 40000
+    weights = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.0, 3.0, 0.0, 1.0]])  # the second row is not normalised
+    draws = models.sample_rows(weights.repeat(n, 1)).view(n, 2)
+    share = lambda col, k: (draws[:, col] == k).float().mean().item()
+    assert [round(share(0, k), 2) for k in range(4)] == [0.5, 0.3, 0.2, 0.0]
+    assert [round(share(1, k), 2) for k in range(4)] == [0.0, 0.75, 0.0, 0.25]
+    assert (draws[:, 0] != 3).all() and ((draws[:, 1] == 1) | (draws[:, 1] == 3)).all()  # zero weights: never
+    sampler = object.__new__(models.HFSampler)  # _pick needs only its settings
+    sampler.torch, sampler.temperature, sampler.top_p = torch, 1.0, 0.7
+    picked = sampler._pick(torch.tensor([[0.5, 0.3, 0.2]]).log().repeat(n, 1))
+    assert set(picked.tolist()) == {0, 1} and abs((picked == 0).float().mean().item() - 0.625) < 0.01
+
+
+def test_bf16_matmuls_decode_what_fp32_decodes_and_leave_a_shared_model_alone(tiny_model):
+    """--decode_dtype bfloat16 on a CPU: the sampler's linear layers multiply in bf16 (fp32 weights kept
+    elsewhere), its logits stay within bf16 rounding of fp32's, and a model the caller shares with it
+    (label_turns' pi_ref) keeps its fp32 layers."""
+    import torch
+    fp32 = models.HFSampler(tiny_model, 0.0, 1.0, 6)
+    bf16 = models.HFSampler(tiny_model, 0.0, 1.0, 6, loaded=fp32.model, decode_dtype="bfloat16")
+    linears = lambda m, kind: [x for x in m.modules() if type(x).__name__ == kind]
+    assert linears(bf16.model, "Bf16Linear") and not linears(bf16.model, "Linear")
+    assert linears(fp32.model, "Linear") and not linears(fp32.model, "Bf16Linear")  # the shared model: untouched
+    ids = fp32.tok(["Write f(x) for me."], return_tensors="pt", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        a, b = fp32.model(ids).logits, bf16.model(ids).logits
+    assert b.dtype == torch.float32 and not torch.equal(a, b)  # bf16 rounding happened ...
+    assert (a - b).abs().max().item() < 0.05 * a.abs().max().item()  # ... and only that
+    assert len(bf16.generate(["Write f(x).", "Hi"])) == 2
+    with pytest.raises(common.DataError, match="decode_dtype"):
+        models.HFSampler(tiny_model, 0.0, 1.0, 6, decode_dtype="float16")
+
+
 def test_growing_cache_holds_what_dynamic_cache_holds_without_a_copy_per_step():
     """models.growing_cache: after a prefill, decoding steps, a row selection with repeats, an update
     past its reserve and a crop, every layer holds exactly DynamicCache's keys and values; a step within

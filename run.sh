@@ -34,9 +34,8 @@ if [ "${TASK_TYPE:-code}" = html ] && [ "${SMALL:-0}" != 1 ] && [ -z "${TRAIN_TA
   # weights), the warm-up SFT still fp32 (WARMUP_DTYPE auto), as a bf16 warm-up is another starting policy
   # (docs/frontend.md, "bf16 critics and DPO")
   : "${TRAIN_DTYPE:=$(grep -qsE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo bfloat16 || echo auto)}" "${WARMUP_DTYPE:=auto}"
-  # DECODE_DTYPE bfloat16 there too: rollouts and labelling sample with bf16 matmuls (fp32 weights), 0.6x the
-  # time of 48 html dialogues with the exact sampler (docs/speed.md, "Sampling")
-  : "${DECODE_DTYPE:=$(grep -qsE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo bfloat16 || echo auto)}"
+  # DECODE_DTYPE stays fp32: its one html run with bf16 matmuls (b244b09, SEED=0) lost to zero-shot,
+  # -6.9 [-12.0, -1.8] (docs/frontend.md); DECODE_DTYPE=bfloat16 samples 0.6x the time (docs/speed.md)
 fi
 TRAIN_TASKS=${TRAIN_TASKS:-}          # ColBench data (a JSONL or a `datasets` folder) instead of procedural train tasks
 TEST_TASKS=${TEST_TASKS:-}            # ... and test tasks

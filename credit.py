@@ -179,6 +179,32 @@ def dpo_pair_classes(states, pairs):
     return counts
 
 
+def dpo_pair_kinds(states, pairs):
+    """What the DPO pairs teach, by what the chosen and the rejected turn are, with their true class where the
+    state has classes: {"bad answer > bad question": n, ...}, commonest first. Same-class pairs are judged by
+    the critic alone, and their kinds say which way they push: many "bad answer > bad question" pairs (a wrong
+    answer over a wasted question) teach answering sooner, and the update shortens dialogues."""
+    classes = {(s["task_id"], s["sample"], s["turn"]): dict(zip(s["candidates"], s["classes"]))
+               for s in states if s.get("classes")}
+    counts = {}
+    for p in pairs:
+        c = classes.get((p["task_id"], p["sample"], p["turn"]), {})
+        chosen, rejected = (" ".join(filter(None, [c.get(t), turn_kind(t)])) for t in (p["chosen"], p["rejected"]))
+        counts[f"{chosen} > {rejected}"] = counts.get(f"{chosen} > {rejected}", 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def answer_balance(kinds):
+    """From dpo_pair_kinds: (pairs that choose an answer over a question or draft, pairs that reject one for
+    them). The first above the second pushes the policy to answer sooner."""
+    sooner = later = 0
+    for key, n in kinds.items():
+        chosen, rejected = (side.split()[-1] for side in key.split(" > "))
+        sooner += n * (chosen == "answer" and rejected != "answer")
+        later += n * (rejected == "answer" and chosen != "answer")
+    return sooner, later
+
+
 def report(out_path, critics=None):
     """Turn-credit accuracy of every critic (names; default: all in the states file) on the labelled
     states of out_path, printed and written to PAIRS.credit.json. 'untrained' is pi_ref itself as
@@ -194,12 +220,16 @@ def report(out_path, critics=None):
     if report["states_with_classes"]:
         pairs = [r for _, r in common.read_jsonl(out_path)] if Path(out_path).exists() else []
         report["dpo_pairs"] = dpo_pair_classes(states, pairs)
+        report["dpo_pair_kinds"] = dpo_pair_kinds(states, pairs)
         common.write_text(f"{out_path}.credit.json", json.dumps(report, indent=2))
         print("turn-credit accuracy (pairs of candidates with different true classes): " +
               accuracy_line(report["credit_accuracy"]), file=sys.stderr)
         print(kind_order_line(report["kind_order"]), file=sys.stderr)
         print("DPO pairs against the true classes: " + ", ".join(f"{k} {v}" for k, v in report["dpo_pairs"].items()),
               file=sys.stderr)
+        sooner, later = answer_balance(report["dpo_pair_kinds"])
+        print(f"DPO pairs by kind (chosen > rejected): an answer over a question or draft {sooner}, the reverse {later}; " +
+              ", ".join(f"{k} {n}" for k, n in list(report["dpo_pair_kinds"].items())[:6]), file=sys.stderr)
         for name, split in report["by_kind"].items():
             print(f"  {name}: " + ", ".join(f"{k} {a:.3f} ({n})" for k, (a, n) in split.items()), file=sys.stderr)
     return report

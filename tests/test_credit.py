@@ -124,6 +124,26 @@ def test_dpo_pair_classes_judge_each_pair_by_its_state():
     assert credit.dpo_pair_classes(states, pairs) == {"right": 1, "wrong": 1, "same_class": 1}
 
 
+def test_dpo_pair_kinds_say_which_way_the_update_pushes():
+    """credit.dpo_pair_kinds names each pair by its turns' kinds and true classes; answer_balance counts the
+    pairs that choose an answer over asking or drafting against the reverse."""
+    key = {"task_id": "t", "sample": 0}
+    answer, draft = f"{colbench.ANSWER_MARKER} <html><body>a</body></html>", "Here: <html><body>b</body></html>"
+    states = [{**key, "turn": 0, "candidates": ["ask x", answer, "ask y", draft], "classes": ["good", "bad", "bad", "good"]},
+              {**key, "turn": 1, "candidates": ["ask z", answer]}]  # no classes: kinds alone
+    pairs = [{**key, "turn": 0, "chosen": answer, "rejected": "ask y"},   # a wrong answer over a wasted question
+             {**key, "turn": 0, "chosen": answer, "rejected": "ask y"},
+             {**key, "turn": 0, "chosen": "ask x", "rejected": answer},
+             {**key, "turn": 0, "chosen": draft, "rejected": "ask y"},
+             {**key, "turn": 1, "chosen": answer, "rejected": "ask z"}]
+    kinds = credit.dpo_pair_kinds(states, pairs)
+    assert kinds == {"bad answer > bad question": 2, "answer > question": 1, "good draft > bad question": 1,
+                     "good question > bad answer": 1}
+    assert list(kinds)[0] == "bad answer > bad question"  # commonest first
+    assert credit.answer_balance(kinds) == (3, 1)
+    assert credit.answer_balance({"good draft > bad question": 4, "bad answer > good answer": 2}) == (0, 0)
+
+
 def test_trajectory_pairs_rules():
     row = lambda t, s, r: {"task_id": t, "sample": s, "reward": r, "success": r == 1.0}
     rows = [row("a", 0, 1.0), row("a", 1, 0.5), row("a", 2, 1.0), row("a", 3, 0.0),  # best succeeds: pairs with lower ones

@@ -149,6 +149,15 @@ def grade_all(rows, args):
     return rows
 
 
+def agent_turns(r):
+    return r.get("num_turns", sum(m["role"] == "assistant" for m in r["dialogue_history"]))
+
+
+def answered(r):
+    """the dialogue ended with an answer (older files without `finish`: the marker appears in it)"""
+    return r.get("finish", "answered" if colbench.ANSWER_MARKER in json.dumps(r["dialogue_history"]) else "") == "answered"
+
+
 def summarize(rows, k=1):
     by_task = defaultdict(list)
     for r in rows:
@@ -157,9 +166,7 @@ def summarize(rows, k=1):
     s = {"num_trajectories": len(rows), "num_tasks": len(by_task),
          "success_rate": mean([r.get("success", False) for r in rows]),
          "tests_passed": mean([r["reward"] for r in rows]),
-         "mean_turns": mean([r.get("num_turns", sum(m["role"] == "assistant" for m in r["dialogue_history"])) for r in rows]),
-         "answered_rate": mean([r.get("finish", "answered" if colbench.ANSWER_MARKER in json.dumps(r["dialogue_history"]) else "")
-                                == "answered" for r in rows]),
+         "mean_turns": mean([agent_turns(r) for r in rows]), "answered_rate": mean([answered(r) for r in rows]),
          "errors": sum(r.get("finish") == "error" for r in rows),
          "timeouts": sum(r.get("timeouts", 0) > 0 for r in rows), "k": k,
          "verdicts": dict(Counter(v for r in rows for v in r.get("verdicts", {}).values()))}
@@ -211,7 +218,7 @@ def compare(args):
     common.check_writable(args.summary)
     runs = dict(kv.split("=", 1) for kv in args.compare.split(","))
     policies = dict(kv.split("=", 1) for kv in args.policies.split(",") if kv)
-    per_task, tests, outcomes, exact, exact_task, metric = {}, {}, {}, {}, {}, None
+    per_task, tests, outcomes, exact, exact_task, metric, length = {}, {}, {}, {}, {}, None, {}
     for name, path in runs.items():
         rows = [r for _, r in common.read_jsonl(path)]
         if all("family" in r["task"] for r in rows):  # procedural code tasks: where the dialogues ended
@@ -231,6 +238,8 @@ def compare(args):
         value = (lambda r: r["reward"]) if html else (lambda r: float(bool(r["success"])))
         per_task[name] = {t: sum(map(value, v)) / len(v) for t, v in by.items()}
         tests[name] = sum(r["reward"] for r in rows) / len(rows)
+        length[name] = {"mean_turns": sum(map(agent_turns, rows)) / len(rows),  # how long the dialogues ran,
+                        "answered_rate": sum(map(answered, rows)) / len(rows)}   # and how many answered at all
         if html and all("exact_design" in r for r in rows):
             exact[name] = sum(r["exact_design"] for r in rows) / len(rows)
             exact_task[name] = {t: sum(r["exact_design"] for r in v) / len(v) for t, v in by.items()}
@@ -249,6 +258,7 @@ def compare(args):
                                 "policy": policies.get(name, "")}
         if name in outcomes:
             res["methods"][name]["outcomes"] = outcomes[name]
+        res["methods"][name].update(length.get(name, {}))
         if name != base:
             d = [per_task[name][t] - per_task[base][t] for t in tasks]
             paired[name] = {"diff": sum(d) / len(d), "ci95": bootstrap_ci(d, args.bootstrap)}
@@ -286,6 +296,9 @@ def compare(args):
         if "exact_design_diff" in p:
             print(f"exact design, {name} vs {base}: {100 * p['exact_design_diff']:+.1f} "
                   f"[{100 * p['exact_design_ci95'][0]:+.1f}, {100 * p['exact_design_ci95'][1]:+.1f}] (paired)")
+    if length:  # an update that shortens the dialogues answers sooner, with fewer facts heard
+        print("agent turns (mean), answered: " + ", ".join(f"{name} {v['mean_turns']:.2f}, {100 * v['answered_rate']:.0f}%"
+                                                          for name, v in length.items()))
     if outcomes:
         print("where the dialogues ended: " + " / ".join(colbench.OUTCOMES))
         for name, o in outcomes.items():

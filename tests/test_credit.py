@@ -160,15 +160,21 @@ def test_compare_reports_bootstrap_and_paired_intervals(tmp_path):
     def graded(name, successes):
         path = tmp_path / f"{name}.jsonl"
         rows = [{"task": t, "task_id": f"t{i}", "sample": 0, "dialogue_history": [], "answer": "", "reward": float(s),
-                 "success": bool(s)} for i, s in enumerate(successes)]
+                 "success": bool(s), "num_turns": 1 + s * (2 + i % 2), "finish": "max_turns" if i % 4 == 1 and not s else "answered"}
+                for i, s in enumerate(successes)]
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         return path
     base = [1, 0] * 20
     better = [1, 1] * 20
     a, b = graded("a", base), graded("b", better)
-    run_script("evaluate.py", "--compare", f"zero_shot={a},sweet_rl={b}", "--policies", "zero_shot=p0,sweet_rl=p1",
-               "--summary", tmp_path / "r.json", "--bootstrap", "2000")
+    out = run_script("evaluate.py", "--compare", f"zero_shot={a},sweet_rl={b}", "--policies", "zero_shot=p0,sweet_rl=p1",
+                     "--summary", tmp_path / "r.json", "--bootstrap", "2000")
     res = json.loads((tmp_path / "r.json").read_text())
+    # how long the dialogues ran: base 20 of 3 turns and 20 of 1, better 20 of 3 and 20 of 4; base's failures at
+    # i = 1, 5, 9, ... (10 of 40) never answered
+    assert res["methods"]["zero_shot"]["mean_turns"] == 2.0 and res["methods"]["sweet_rl"]["mean_turns"] == 3.5
+    assert res["methods"]["zero_shot"]["answered_rate"] == 0.75 and res["methods"]["sweet_rl"]["answered_rate"] == 1.0
+    assert "agent turns (mean), answered: zero_shot 2.00, 75%, sweet_rl 3.50, 100%" in out.stdout
     assert res["num_test_tasks"] == 40
     z, s = res["methods"]["zero_shot"], res["methods"]["sweet_rl"]
     assert z["success"] == 0.5 and s["success"] == 1.0 and s["policy"] == "p1"

@@ -264,7 +264,10 @@ def compare(args):
             paired[name] = {"diff": sum(d) / len(d), "ci95": bootstrap_ci(d, args.bootstrap)}
             if html:  # a task is won when its similarity is higher; ties count half
                 wins = [1.0 if x > 0 else 0.5 if x == 0 else 0.0 for x in d]
-                paired[name].update(win_rate=sum(wins) / len(wins), win_rate_ci95=bootstrap_ci(wins, args.bootstrap))
+                paired[name].update(win_rate=sum(wins) / len(wins), win_rate_ci95=bootstrap_ci(wins, args.bootstrap),
+                                    won=sum(x > 0 for x in d), tied=sum(x == 0 for x in d), lost=sum(x < 0 for x in d),
+                                    # near-ties: a few pixels between two near-right pages decide these
+                                    won_by_under_005=sum(0 < x < 0.05 for x in d), lost_by_under_005=sum(-0.05 < x < 0 for x in d))
             if name in exact_task and base in exact_task:  # the similarity barely sees some design facts
                 e = [exact_task[name][t] - exact_task[base][t] for t in tasks]
                 paired[name].update(exact_design_diff=sum(e) / len(e), exact_design_ci95=bootstrap_ci(e, args.bootstrap))
@@ -293,6 +296,9 @@ def compare(args):
     print(f"({len(tasks)} tasks; {'similarity: ' + metric + '; ' if html else ''}95% intervals: bootstrap over tasks, "
           f"{args.bootstrap} resamples)")
     for name, p in paired.items():
+        if "won" in p:
+            print(f"{name} vs {base}: won {p['won']}, tied {p['tied']}, lost {p['lost']} tasks; "
+                  f"by less than 0.05 similarity: won {p['won_by_under_005']}, lost {p['lost_by_under_005']}")
         if "exact_design_diff" in p:
             print(f"exact design, {name} vs {base}: {100 * p['exact_design_diff']:+.1f} "
                   f"[{100 * p['exact_design_ci95'][0]:+.1f}, {100 * p['exact_design_ci95'][1]:+.1f}] (paired)")

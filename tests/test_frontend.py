@@ -236,6 +236,11 @@ def test_compare_reports_html_similarity_win_rate_and_exact_design(tmp_path):
     assert p["diff"] == pytest.approx(0.1) and p["win_rate"] == pytest.approx((1 + 0.5 + 1 + 0) / 4)
     assert p["win_rate_ci95"][0] <= p["win_rate"] <= p["win_rate_ci95"][1] and p["ci95"][0] <= p["diff"] <= p["ci95"][1]
     assert p["exact_design_diff"] == pytest.approx(0.25) and p["exact_design_ci95"] == [0.0, 0.75]  # one task of 4 gained
+    assert (p["won"], p["tied"], p["lost"], p["won_by_under_005"], p["lost_by_under_005"]) == (2, 1, 1, 0, 0)
+    (tmp_path / "d.jsonl").write_text(rows([0.52, 0.8, 0.88, 0.3], [False] * 4))  # near-ties: +0.02 and -0.02
+    near = evaluate.main(common.parse_args(evaluate.Args, argv=["--compare", f"zero_shot={tmp_path / 'a.jsonl'},"
+                                                                 f"near={tmp_path / 'd.jsonl'}"]))["paired_vs_zero_shot"]["near"]
+    assert (near["won"], near["tied"], near["lost"], near["won_by_under_005"], near["lost_by_under_005"]) == (1, 2, 1, 1, 1)
     (tmp_path / "c.jsonl").write_text(rows([0.5], [False]).replace("pixel_hist_v1", "clip:x"))
     with pytest.raises(common.DataError, match="not comparable"):
         evaluate.main(common.parse_args(evaluate.Args, argv=["--compare", f"a={tmp_path / 'a.jsonl'},c={tmp_path / 'c.jsonl'}"]))

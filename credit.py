@@ -165,11 +165,15 @@ def accuracy_line(acc):
     return ", ".join(f"{k} {v:.3f}" if v is not None else f"{k} -" for k, v in acc.items())
 
 
+def classes_by_state(states):
+    """{(task_id, sample, turn): {candidate text: true class}} for the states that have classes."""
+    return {(s["task_id"], s["sample"], s["turn"]): dict(zip(s["candidates"], s["classes"])) for s in states if s.get("classes")}
+
+
 def dpo_pair_classes(states, pairs):
     """How the DPO pairs stand against the true classes: right (a good turn chosen over a bad one),
     wrong (bad over good), same_class (the pair says nothing the true classes could check)."""
-    classes = {(s["task_id"], s["sample"], s["turn"]): dict(zip(s["candidates"], s["classes"]))
-               for s in states if s.get("classes")}
+    classes = classes_by_state(states)
     counts = {"right": 0, "wrong": 0, "same_class": 0}
     for p in pairs:
         c = classes.get((p["task_id"], p["sample"], p["turn"]))
@@ -184,13 +188,12 @@ def dpo_pair_kinds(states, pairs):
     state has classes: {"bad answer > bad question": n, ...}, commonest first. Same-class pairs are judged by
     the critic alone, and their kinds say which way they push: many "bad answer > bad question" pairs (a wrong
     answer over a wasted question) teach answering sooner, and the update shortens dialogues."""
-    classes = {(s["task_id"], s["sample"], s["turn"]): dict(zip(s["candidates"], s["classes"]))
-               for s in states if s.get("classes")}
+    classes = classes_by_state(states)
     counts = {}
     for p in pairs:
         c = classes.get((p["task_id"], p["sample"], p["turn"]), {})
-        chosen, rejected = (" ".join(filter(None, [c.get(t), turn_kind(t)])) for t in (p["chosen"], p["rejected"]))
-        counts[f"{chosen} > {rejected}"] = counts.get(f"{chosen} > {rejected}", 0) + 1
+        key = " > ".join(" ".join(filter(None, [c.get(t), turn_kind(t)])) for t in (p["chosen"], p["rejected"]))
+        counts[key] = counts.get(key, 0) + 1
     return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 

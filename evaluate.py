@@ -258,7 +258,7 @@ def compare(args):
                                 "policy": policies.get(name, "")}
         if name in outcomes:
             res["methods"][name]["outcomes"] = outcomes[name]
-        res["methods"][name].update(length.get(name, {}))
+        res["methods"][name].update(length[name])
         if name != base:
             d = [per_task[name][t] - per_task[base][t] for t in tasks]
             paired[name] = {"diff": sum(d) / len(d), "ci95": bootstrap_ci(d, args.bootstrap)}
@@ -302,9 +302,9 @@ def compare(args):
         if "exact_design_diff" in p:
             print(f"exact design, {name} vs {base}: {100 * p['exact_design_diff']:+.1f} "
                   f"[{100 * p['exact_design_ci95'][0]:+.1f}, {100 * p['exact_design_ci95'][1]:+.1f}] (paired)")
-    if length:  # an update that shortens the dialogues answers sooner, with fewer facts heard
-        print("agent turns (mean), answered: " + ", ".join(f"{name} {v['mean_turns']:.2f}, {100 * v['answered_rate']:.0f}%"
-                                                          for name, v in length.items()))
+    # an update that shortens the dialogues answers sooner, with fewer facts heard
+    print("agent turns (mean), answered: " + ", ".join(f"{name} {v['mean_turns']:.2f}, {100 * v['answered_rate']:.0f}%"
+                                                      for name, v in length.items()))
     if outcomes:
         print("where the dialogues ended: " + " / ".join(colbench.OUTCOMES))
         for name, o in outcomes.items():

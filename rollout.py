@@ -11,6 +11,7 @@ Reads:  tasks JSONL (generate_tasks.py). Talks to: the simulated human over HTTP
     python rollout.py --tasks data/test.jsonl --output runs/test_rollouts.jsonl --samples 4
     python rollout.py ... --agent_backend openai --agent_url http://gpu:8001 --agent_model meta-llama/Llama-3.1-8B-Instruct
     python rollout.py ... --shard 0/4          # or under torchrun: shard = RANK/WORLD_SIZE
+    python rollout.py --prefixes dialogues.jsonl --output runs/continued.jsonl ...   # go on with given dialogues
 
 Rerunning on the same output resumes: dialogues already written are skipped, and those that ended
 with finish=error (e.g. the simulator failed for longer than --simulator_retry_s) are redone.
@@ -48,10 +49,14 @@ import render
 
 @dataclass
 class Args:
-    tasks: str
-    """task JSONL from generate_tasks.py (or any ColBench task file)"""
     output: str
     """trajectory JSONL to write (appended to; reruns resume)"""
+    tasks: str = ""
+    """task JSONL from generate_tasks.py (or any ColBench task file)"""
+    prefixes: str = ""
+    """instead of --tasks: dialogues to go on with, a JSONL of {task, sample, dialogue_history}; each continues
+    from its last message (the human first, when the agent spoke last), one dialogue per line (--samples is
+    not read). For the value of a turn by its continuations (bench/mc_credit.py)"""
     task_type: str = "code"
     """code (backend programming) | html (frontend design)"""
     num_tasks: int = 0
@@ -238,20 +243,34 @@ def main(args):
                   args.batch_size < 1 and "--batch_size must be at least 1",
                   args.temperature < 0 and "--temperature must be >= 0", not 0 < args.top_p <= 1 and "--top_p must be in (0, 1]",
                   args.max_new_tokens < 1 and "--max_new_tokens must be at least 1",
-                  args.first_sample < 0 and "--first_sample must be >= 0")
+                  args.first_sample < 0 and "--first_sample must be >= 0",
+                  bool(args.tasks) == bool(args.prefixes) and "give one of --tasks and --prefixes",
+                  args.prefixes and args.agent_backend == "oracle" and "--prefixes: the oracle starts its dialogues itself")
     if args.agent_backend == "vllm":
         models.pin_gpu()  # before anything touches CUDA: under torchrun, this rank's engine on its own GPU
     shard, num_shards = common.parse_shard(args.shard)
     models.seed_everything(args.seed + shard)
-    tasks = colbench.load_tasks(args.tasks, args.task_type)[: args.num_tasks or None]
+    if args.prefixes:
+        jobs = []
+        for line, r in list(common.read_jsonl(args.prefixes))[: args.num_tasks or None]:
+            colbench.validate_trajectory(r, f"{args.prefixes}:{line}", args.task_type)
+            if not isinstance(r.get("sample"), int) or not r["dialogue_history"]:
+                raise common.DataError(f"{args.prefixes}:{line}: a dialogue to continue needs an integer 'sample' and a "
+                                       f"non-empty dialogue_history")
+            jobs.append((dict(r["task"], task_id=r["task"].get("task_id") or colbench.task_id(r["task"])), r["sample"],
+                         r["dialogue_history"]))
+    else:
+        tasks = colbench.load_tasks(args.tasks, args.task_type)[: args.num_tasks or None]
+        jobs = [(t, k, [{"role": "user", "content": t["problem_description"]}])
+                for t in tasks for k in range(args.first_sample, args.first_sample + args.samples)]
+    jobs = jobs[shard::num_shards]
     templates = colbench.load_prompts(args.prompt_dir, args.task_type)  # None: ours
-    jobs = [(t, k) for t in tasks for k in range(args.first_sample, args.first_sample + args.samples)][shard::num_shards]
     out_path = common.sharded_path(args.output, shard, num_shards)
     common.check_writable(out_path)
     common.save_run_settings(f"{out_path}.run_settings.json", args)
     writer = common.ResumableWriter(out_path, key=lambda r: (r["task_id"], r["sample"]),
                                     retry=lambda r: r.get("finish") == "error")  # a rerun retries failed dialogues
-    todo = deque((t, k) for t, k in jobs if (t["task_id"], k) not in writer.done)
+    todo = deque(job for job in jobs if (job[0]["task_id"], job[1]) not in writer.done)
     print(f"{len(jobs)} dialogues in this shard, {len(jobs) - len(todo)} already in {out_path}, {len(todo)} to run",
           file=sys.stderr)
     if not todo:
@@ -266,34 +285,14 @@ def main(args):
     pool = render.RenderPool(args.render_workers) if args.task_type == "html" else None
     targets = {}  # html: task_id -> the target page's render, once per task
 
-    active, errors, bar = [], 0, tqdm(total=len(todo), desc="dialogues", unit="dlg")
-    while todo or active:
-        while todo and len(active) < args.batch_size:  # refill free slots
-            t, k = todo.popleft()
-            active.append({"task": t, "sample": k, "task_type": args.task_type,
-                           "dialogue": [{"role": "user", "content": t["problem_description"]}]})
-        prompts = [models.render_prompt(agent.tok, colbench.agent_messages(ep["task"], ep["dialogue"], args.task_type, templates))
-                   for ep in active]
-        too_long = [len(agent.tok(p, add_special_tokens=False)["input_ids"]) > args.max_prompt_tokens for p in prompts]
-        ok = [i for i, bad in enumerate(too_long) if not bad]
-        # the oracle reads each dialogue; a sampler gets each request's key (its seed derives from it)
-        keys = [active[i] if args.agent_backend == "oracle" else
-                f"{active[i]['task']['task_id']}/{active[i]['sample']}/{len(active[i]['dialogue'])}" for i in ok]
-        outputs = dict(zip(ok, agent.generate([prompts[i] for i in ok], keys))) if ok else {}
-        done, ask = [], []
-        for i, ep in enumerate(active):
-            if too_long[i]:
-                done.append(finish(ep, "error", f"prompt longer than --max_prompt_tokens {args.max_prompt_tokens}"))
-                continue
-            out, stored = colbench.split_output(outputs[i])
-            ep["dialogue"].append({"role": "assistant", "content": out, "input": prompts[i], "output": stored})
-            turns = sum(m["role"] == "assistant" for m in ep["dialogue"])
-            if colbench.ANSWER_MARKER in out:
-                done.append(finish(ep, "answered"))
-            elif turns >= args.max_turns:
-                done.append(finish(ep, "max_turns"))
-            else:
-                ask.append(ep)
+    def ended(ep):  # the dialogue's finished row when its last agent turn ended it, else None
+        turns = sum(m["role"] == "assistant" for m in ep["dialogue"])
+        return (finish(ep, "answered") if colbench.ANSWER_MARKER in ep["dialogue"][-1]["content"] else
+                finish(ep, "max_turns") if turns >= args.max_turns else None)
+
+    def human_turn(ask):  # the human replies to each dialogue's last agent turn: (dialogues going on, failed rows)
+        if not ask:
+            return [], []
         if pool is None:
             requests = [colbench.human_messages(ep["task"], ep["dialogue"], args.task_type, prompts=templates) for ep in ask]
         else:  # render the target (once) and the agent's snippet, if its turn has one, for the human
@@ -305,13 +304,53 @@ def main(args):
             requests = [colbench.human_messages(ep["task"], ep["dialogue"], "html", img, targets[ep["task"]["task_id"]], templates)
                         for ep, img in zip(ask, agent_imgs)]
         replies = human.chat_many(requests, errors=True, temperature=0.0, max_tokens=256)
-        active = []
+        going, failed = [], []
         for ep, reply in zip(ask, replies):
             if isinstance(reply, Exception):  # the simulator failed for good: keep the dialogue, marked
-                done.append(finish(ep, "error", f"simulator: {reply}"))
+                failed.append(finish(ep, "error", f"simulator: {reply}"))
                 continue
             ep["dialogue"].append({"role": "user", "content": reply.strip()[:max_chars]})
-            active.append(ep)
+            going.append(ep)
+        return going, failed
+
+    active, errors, bar = [], 0, tqdm(total=len(todo), desc="dialogues", unit="dlg")
+    while todo or active:
+        done, resumed = [], []
+        while todo and len(active) + len(resumed) < args.batch_size:  # refill free slots
+            t, k, dialogue = todo.popleft()
+            ep = {"task": t, "sample": k, "task_type": args.task_type, "dialogue": [dict(m) for m in dialogue]}
+            row = ended(ep) if ep["dialogue"][-1]["role"] == "assistant" else None  # --prefixes: the agent spoke last
+            if row:
+                done.append(row)
+            elif ep["dialogue"][-1]["role"] == "assistant":
+                resumed.append(ep)
+            else:
+                active.append(ep)
+        going, failed = human_turn(resumed)
+        active += going
+        done += failed
+        prompts = [models.render_prompt(agent.tok, colbench.agent_messages(ep["task"], ep["dialogue"], args.task_type, templates))
+                   for ep in active]
+        too_long = [len(agent.tok(p, add_special_tokens=False)["input_ids"]) > args.max_prompt_tokens for p in prompts]
+        ok = [i for i, bad in enumerate(too_long) if not bad]
+        # the oracle reads each dialogue; a sampler gets each request's key (its seed derives from it)
+        keys = [active[i] if args.agent_backend == "oracle" else
+                f"{active[i]['task']['task_id']}/{active[i]['sample']}/{len(active[i]['dialogue'])}" for i in ok]
+        outputs = dict(zip(ok, agent.generate([prompts[i] for i in ok], keys))) if ok else {}
+        ask = []
+        for i, ep in enumerate(active):
+            if too_long[i]:
+                done.append(finish(ep, "error", f"prompt longer than --max_prompt_tokens {args.max_prompt_tokens}"))
+                continue
+            out, stored = colbench.split_output(outputs[i])
+            ep["dialogue"].append({"role": "assistant", "content": out, "input": prompts[i], "output": stored})
+            row = ended(ep)
+            if row:
+                done.append(row)
+            else:
+                ask.append(ep)
+        active, failed = human_turn(ask)
+        done += failed
         for row in done:
             writer.write(row)
         bar.update(len(done))

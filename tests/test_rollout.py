@@ -1,12 +1,14 @@
 """Rollouts end to end: tiny random model (hf backend) and the oracle, with the scripted human."""
 import json
+import subprocess
+import sys
 
 import pytest
 
 import colbench
 import common
 import models
-from conftest import read_jsonl, run_script
+from conftest import ROOT, read_jsonl, run_script
 
 
 def rollout(tasks, out, url, *extra):
@@ -74,6 +76,41 @@ def test_kv_cache_reuse_across_turns_changes_nothing(tiny_model, task_files, sim
             assert reused > sampler.prompt_tokens["run"] - before["run"]  # most of the prompt came from the cache
         for d, o in zip(dialogues, out):
             d += [{"role": "assistant", "content": o}, {"role": "user", "content": f"Reply {turn}."}]
+
+
+def test_prefixes_continue_each_dialogue_from_its_last_message(tiny_model, task_files, simulator_url, tmp_path):
+    """rollout.py --prefixes (bench/mc_credit.py's continuations): the given messages are kept as they are; the
+    human answers first where the agent spoke last; a dialogue its last agent turn ended is written at once."""
+    t1, t2 = [r for _, r in common.read_jsonl(task_files[0])][:2]
+    fact = t1["hidden_information"].splitlines()[0]
+    word = max(sorted(colbench.words(fact)), key=len)  # the scripted human answers with the hidden lines a question shares words with
+    start = lambda t: [{"role": "user", "content": t["problem_description"]}]
+    asked = start(t1) + [{"role": "assistant", "content": f"What about {word}?", "output": f"What about {word}?"}]
+    answered = start(t2) + [{"role": "assistant", "content": "I WANT TO ANSWER:\ndef f(): pass", "output": "x"}]
+    out_of_turns = start(t2) + [{"role": "assistant", "content": "Why?", "output": "Why?"}, {"role": "user", "content": "No."},
+                                {"role": "assistant", "content": "Why?", "output": "Why?"}]
+    rows = [{"task": t1, "sample": 0, "dialogue_history": asked}, {"task": t2, "sample": 1, "dialogue_history": answered},
+            {"task": t1, "sample": 2, "dialogue_history": start(t1)}, {"task": t2, "sample": 3, "dialogue_history": out_of_turns}]
+    prefixes = tmp_path / "prefixes.jsonl"
+    common.write_jsonl(prefixes, rows)
+    args = ["--prefixes", prefixes, "--output", tmp_path / "c.jsonl", "--simulator_url", simulator_url, "--agent_model", tiny_model,
+            "--max_new_tokens", "12", "--max_turns", "2", "--batch_size", "2"]
+    run_script("rollout.py", *args)
+    got = {r["sample"]: r for r in read_jsonl(tmp_path / "c.jsonl")}
+    assert sorted(got) == [0, 1, 2, 3]
+    for r in rows:
+        assert got[r["sample"]]["dialogue_history"][: len(r["dialogue_history"])] == r["dialogue_history"]
+    reply = common.ChatClient(simulator_url).chat_many([colbench.human_messages(t1, asked)], temperature=0.0, max_tokens=256)[0]
+    assert fact in reply and got[0]["dialogue_history"][2] == {"role": "user", "content": reply.strip()}
+    assert got[0]["num_turns"] == 2 and got[0]["dialogue_history"][3]["role"] == "assistant"
+    assert got[1]["dialogue_history"] == answered and got[1]["finish"] == "answered" and got[1]["answer"] == "def f(): pass"
+    assert got[3]["dialogue_history"] == out_of_turns and got[3]["finish"] == "max_turns"
+    assert [m["role"] for m in got[2]["dialogue_history"]][:2] == ["user", "assistant"]
+    p = run_script("rollout.py", *args)  # a rerun resumes: nothing left to do
+    assert "4 already in" in p.stderr and len(read_jsonl(tmp_path / "c.jsonl")) == 4
+    common.write_jsonl(prefixes, rows + [{"task": t1, "dialogue_history": asked}])
+    bad = subprocess.run([sys.executable, str(ROOT / "rollout.py"), *map(str, args)], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode != 0 and "prefixes.jsonl:5: a dialogue to continue needs an integer 'sample'" in bad.stderr
 
 
 def test_oracle_solves_tasks_and_shards_merge(task_files, simulator_url, tmp_path, tiny_model):

@@ -84,7 +84,7 @@ finally:
         server.terminate()
 
 rewards, successes = [[[] for _ in s["candidates"]] for s in states], [[[] for _ in s["candidates"]] for s in states]
-for r in colbench.load_graded(graded):
+for _, r in common.read_jsonl(graded):
     si, ci = which[r["sample"]]
     rewards[si][ci].append(r["reward"])
     successes[si][ci].append(float(r["success"]))

@@ -93,14 +93,12 @@ for s, rw, sc in zip(states, rewards, successes):
     s["advantages_by_critic"]["mc_reward"] = [mean(x) for x in rw]
     s["advantages_by_critic"]["mc_success"] = [mean(x) for x in sc]
     s["advantages_by_critic"]["mc_success_then_reward"] = [mean(x) + 1e-3 * mean(y) for x, y in zip(sc, rw)]
-names = ["mc_reward", "mc_success", "mc_success_then_reward"] + [n for n in states[0]["advantages_by_critic"] if not n.startswith("mc_")]
-result = {"states": len(states), "continuations": a.continuations, "policy": a.policy,
-          "credit_accuracy": {n: credit.credit_accuracy(states, n)[0] for n in names},
-          "class_pairs": credit.credit_accuracy(states, names[0])[1],
-          "kind_order": credit.kind_order(states),
-          "by_kind": {n: credit.credit_by_kind(states, n) for n in names}}
+    s["advantages_by_critic"]["untrained"] = [0.0] * len(rw)  # pi_ref: every turn's advantage 0, as label_turns reports it
+names = ["mc_reward", "mc_success", "mc_success_then_reward"] + [n for n in states[0]["advantages_by_critic"]
+                                                                 if not n.startswith("mc_") and n != "untrained"]
+result = {"states": len(states), "continuations": a.continuations, "policy": a.policy, **credit.accuracies(states, names)}
 common.write_text(f"{a.output_dir}/mc_credit.json", json.dumps(result, indent=2))
-print(f"turn-credit accuracy on {len(states)} states ({result['class_pairs']} class pairs): "
+print(f"turn-credit accuracy on {len(states)} states ({result['class_pairs']['mc_reward']} class pairs): "
       + credit.accuracy_line(result["credit_accuracy"]) + "; " + credit.kind_order_line(result["kind_order"]))
-for kind, (acc, n) in result["by_kind"]["mc_reward"].items():
+for kind, (_, n) in result["by_kind"]["mc_reward"].items():
     print(f"  {kind} ({n}): " + ", ".join(f"{name} {result['by_kind'][name][kind][0]:.2f}" for name in names))

@@ -928,14 +928,24 @@ def precompute(model, items, fn, rank, world, desc="reference log-probs"):
     return [results[i] for i in range(len(items))]
 
 
-def batch_order(n, batch_size, epochs, seed):
+def batch_order(n, batch_size, epochs, seed, groups=None):
     """Global batches of example indices [(epoch, [i, ...])], shuffled each epoch; the same on every
     rank, and the same after a restart (it depends only on these arguments). A fractional epochs ends
-    the last pass early: the first round(epochs x batches per pass) batches (at least 1) of ceil(epochs) passes."""
+    the last pass early: the first round(epochs x batches per pass) batches (at least 1) of ceil(epochs) passes.
+    groups (a key per example): each pass shuffles the keys, then the examples of each key, and lays
+    every group's examples side by side, so that a batch spans as few groups as it can."""
     rng, out, passes = random.Random(seed), [], math.ceil(epochs)
+    members = {}
+    for i, key in enumerate(groups or []):
+        members.setdefault(key, []).append(i)
     for epoch in range(passes):
-        order = list(range(n))
-        rng.shuffle(order)
+        if groups is None:
+            order = list(range(n))
+            rng.shuffle(order)
+        else:
+            keys = sorted(members)
+            rng.shuffle(keys)
+            order = [i for key in keys for i in rng.sample(members[key], len(members[key]))]
         out += [(epoch, order[b:b + batch_size]) for b in range(0, n, batch_size)]
     return out[:max(1, round(len(out) * epochs / passes))]
 

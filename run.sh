@@ -26,6 +26,9 @@ if [ "${TASK_TYPE:-code}" = html ] && [ "${SMALL:-0}" != 1 ] && [ -z "${TRAIN_TA
   # ORACLE_SAMPLES 1: a complete-oracle dialogue per train page gives the critic clean successes; on SEED=0's
   # stored candidates turn-credit 0.693 -> 0.736, validation +5.8 -> +8.6 (docs/frontend.md, "Off-policy oracle")
   : "${ORACLE_SAMPLES:=1}"
+  # GROUP_BY_TASK 1: the critics score each trajectory once per step for all its pairs (train_critic.py
+  # --group_by_task; docs/speed.md)
+  : "${GROUP_BY_TASK:=1}"
   # DPO_EPOCHS 0.67 with one snapshot: validates the steps at 1/3 and 2/3 of a pass, which both html updates
   # validated best; at the pass's end 18 of the 50 validation dialogues never answered (docs/frontend.md)
   : "${DPO_EPOCHS:=0.67}" "${SNAPSHOTS:=1}"
@@ -76,6 +79,7 @@ LR_CRITIC=${LR_CRITIC:-1e-4}          # chosen by turn-credit accuracy on the st
 LR_DPO=${LR_DPO:-6e-6}               # chosen on validation tasks (seed 100) over 3e-6 and 1e-5 (docs/curriculum.md, "How far turn-level DPO moves the policy")
 TRAIN_LAYERS=${TRAIN_LAYERS:-$([ "$MODEL" = embedded ] && echo 10 || echo 0)}  # critic/DPO train only the top N layers (0 = all; README, deviations)
 CRITIC_EPOCHS=${CRITIC_EPOCHS:-2}
+GROUP_BY_TASK=${GROUP_BY_TASK:-0}     # critics: a task's pairs side by side in the batches, each trajectory scored once a step
 CREDIT_VARIANTS=${CREDIT_VARIANTS:-1}  # critic ablations for turn-credit accuracy: 1 without training-time information, 2 also the trajectory-mean form
 BATCH_SIZE=${BATCH_SIZE:-64}          # rollout dialogues per batch
 NPROC=${NPROC:-1}                     # processes (GPUs) per stage: training under torchrun + FSDP2; vLLM sampling sharded
@@ -93,7 +97,7 @@ PROMPT_DIR=${PROMPT_DIR:-}            # prompt templates replacing ours (e.g. a 
 
 KNOWN="SMALL TRAIN_TASKS TEST_TASKS RUN MODEL WARMUP N_WARMUP WARMUP_FAMILIES ORACLE_HASTY WARM_BAND WARMUP_TRIES HASTY_STEP ORACLE_DETOUR N_TRAIN N_TEST N_VAL VAL_SAMPLES SNAPSHOTS SAMPLES ORACLE_SAMPLES
   CANDIDATES PAIRS_PER_STATE DATA_FRACTION DPO_EPOCHS TEMPERATURE TRAIN_TEMPERATURE TOP_P MAX_TURNS MAX_NEW_TOKENS LR_WARMUP LR_CRITIC LR_DPO
-  CRITIC_EPOCHS CREDIT_VARIANTS TRAIN_LAYERS BATCH_SIZE NPROC AGENT_BACKEND GRAD_CKPT TRAIN_DTYPE WARMUP_DTYPE DECODE_DTYPE SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL PROMPT_DIR REPORT_DIALOGUES SETUP PY"
+  CRITIC_EPOCHS GROUP_BY_TASK CREDIT_VARIANTS TRAIN_LAYERS BATCH_SIZE NPROC AGENT_BACKEND GRAD_CKPT TRAIN_DTYPE WARMUP_DTYPE DECODE_DTYPE SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL PROMPT_DIR REPORT_DIALOGUES SETUP PY"
 echo "run.sh: run directory $RUN$([ -d "$RUN" ] && echo ' (exists: finished stages are reused)')"
 for v in OUT_DIR OUTPUT_DIR RUN_DIR OUTPUT; do  # easy mistakes: run.sh reads RUN
   if [ -n "${!v-}" ]; then echo "run.sh: warning: $v is set but run.sh does not read it; the run directory is RUN=$RUN" >&2; fi
@@ -238,7 +242,8 @@ log "SWEET-RL: critic -> turn labels -> turn-level DPO"
 critic() {  # critic DIR [variant flags]
   local dir=$1; shift
   have "$dir" || train train_critic.py --trajectories "$RUN/train_graded.jsonl" --model "$POLICY" --output_dir "$dir" \
-    --lr "$LR_CRITIC" --epochs "$CRITIC_EPOCHS" --task_type "$TASK_TYPE" --seed "$SEED" --train_layers "$TRAIN_LAYERS" "$@"
+    --lr "$LR_CRITIC" --epochs "$CRITIC_EPOCHS" --task_type "$TASK_TYPE" --seed "$SEED" --train_layers "$TRAIN_LAYERS" \
+    $([ "$GROUP_BY_TASK" = 1 ] && echo --group_by_task) "$@"
 }
 critic "$RUN/critic"  # the SWEET critic: sees c, sum of per-turn mean log-ratios (paper)
 variants=()

@@ -45,6 +45,8 @@ def kill_tree(pid):
     ("train_critic.py", ["--epochs", "2", "--heldout_fraction", "0"]),
     # the top layer alone: one process keeps the frozen layer's output (FrozenBottom), two run it every step
     ("train_critic.py", ["--epochs", "2", "--heldout_fraction", "0", "--train_layers", "1"]),
+    # a micro-batch per task (--group_by_task): each rank takes a contiguous share of the batch
+    ("train_critic.py", ["--epochs", "2", "--heldout_fraction", "0", "--group_by_task"]),
     ("train_dpo.py", ["--mode", "trajectory", "--epochs", "2"]),
 ])
 def test_two_processes_match_one(tiny_model, tmp_path, script, extra):

@@ -86,6 +86,8 @@ def test_run_sh_html_loop(tiny_model, tmp_path):
     assert m["ci95"][0] <= m["similarity"] <= m["ci95"][1] and m["similarity"] == pytest.approx(s["similarity"])
     assert p_["win_rate"] == pytest.approx(s["win_rate"]) and p_["win_rate_ci95"][0] <= p_["win_rate"] <= p_["win_rate_ci95"][1]
     assert set(res["credit_accuracy"]) == {"sweet", "no_training_info", "untrained"}
+    for critic in ("critic", "critic_no_training_info"):  # html's critics score a trajectory once for all its pairs
+        assert json.loads((tmp_path / "run" / critic / "run_settings.json").read_text())["group_by_task"] is True
     states = read(tmp_path / "run" / "pairs.jsonl.states.jsonl")  # every labelled state has its true classes
     assert states and all(set(st["classes"]) <= {"good", "bad"} for st in states)
     assert res.get("credit_kind_order") == credit.kind_order(states)  # the state-blind baseline, beside the critics

@@ -394,6 +394,41 @@ def test_critic_learns_a_separable_toy_set(tiny_model, tmp_path):
                 assert a[k] == pytest.approx(b[k], abs=1e-4), (k, a[k], b[k])
 
 
+def test_critic_grouped_by_task_trains_as_its_pairs_one_by_one(tiny_model, tmp_path):
+    """--group_by_task scores each trajectory once for all its pairs in a step: with every pair in one batch
+    both modes take the same steps; and its batches lay a task's pairs side by side."""
+    tok = models.load_tokenizer(tiny_model)
+    rows = []
+    for k in range(3):  # the best sample of each task is the chosen side of two pairs
+        task = dict(TASK, task_id=f"t{k}")
+        rows += [make_traj(tok, task, ["What is the factor?", "I WANT TO ANSWER: yes yes"], ["Double it."], 1.0, 0),
+                 make_traj(tok, task, ["I WANT TO ANSWER: maybe"], [], 0.5, 1),
+                 make_traj(tok, task, ["I WANT TO ANSWER: no no no"], [], 0.0, 2)]
+    (tmp_path / "g.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    logs = {}
+    for name, flags in (("pairs", []), ("grouped", ["--group_by_task"])):
+        run_script("train_critic.py", "--trajectories", tmp_path / "g.jsonl", "--model", tiny_model, "--output_dir",
+                   tmp_path / name, "--lr", "3e-3", "--epochs", "3", "--batch_size", "6", "--heldout_fraction", "0.34",
+                   "--eval_every", "1", "--train_metrics", *flags)
+        logs[name] = read_jsonl(tmp_path / name / "log.jsonl")
+        logs[name].append(json.loads((tmp_path / name / "final_metrics.json").read_text()))
+    assert len(logs["pairs"]) == len(logs["grouped"]) == 4 and logs["pairs"][2]["loss"] < logs["pairs"][0]["loss"]
+    for a, b in zip(logs["pairs"], logs["grouped"]):
+        for k in ("loss", "acc", "margin", "grad_norm", "heldout_loss", "heldout_margin", "train_loss", "train_margin"):
+            if k in a or k in b:
+                assert a[k] == pytest.approx(b[k], abs=1e-4), (k, a[k], b[k])
+    # the batch order: every example once a pass, a group's examples together, reproducible, pass by pass reshuffled
+    groups = [i % 5 for i in range(23)]
+    order = common.batch_order(23, 4, 2, 1, groups)
+    for epoch in (0, 1):
+        flat = [i for e, b in order for i in b if e == epoch]
+        assert sorted(flat) == list(range(23))
+        runs = [groups[i] for i in flat]
+        assert sum(a != b for a, b in zip(runs, runs[1:])) == 4  # five groups, four boundaries
+    assert order == common.batch_order(23, 4, 2, 1, groups) and order != common.batch_order(23, 4, 2, 2, groups)
+    assert [i for e, b in order if e == 0 for i in b] != [i for e, b in order if e == 1 for i in b]
+
+
 def test_label_turns_then_dpo_modes(tiny_model, tmp_path):
     tok = models.load_tokenizer(tiny_model)
     write_graded(tok, tmp_path / "g.jsonl", n_tasks=3)

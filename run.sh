@@ -36,9 +36,12 @@ if [ "${TASK_TYPE:-code}" = html ] && [ "${SMALL:-0}" != 1 ] && [ -z "${TRAIN_TA
   # TRAIN_DTYPE bfloat16 where the CPU has bf16 instructions: the critics and DPO under bf16 autocast (fp32
   # weights), the warm-up SFT still fp32 (WARMUP_DTYPE auto), as a bf16 warm-up is another starting policy
   # (docs/frontend.md, "bf16 critics and DPO")
-  : "${TRAIN_DTYPE:=$(grep -qsE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo bfloat16 || echo auto)}" "${WARMUP_DTYPE:=auto}"
-  # DECODE_DTYPE stays fp32: its one html run with bf16 matmuls (b244b09, SEED=0) lost to zero-shot,
-  # -6.9 [-12.0, -1.8] (docs/frontend.md); DECODE_DTYPE=bfloat16 samples 0.6x the time (docs/speed.md)
+  # DECODE_DTYPE, SCORE_DTYPE bfloat16 there too: rollouts and labelling sample in 0.6x the time, labelling scores in
+  # 0.7x (docs/speed.md). The one html loss sampled so (b244b09) was its critic's draw: grouped by task, the
+  # same draw and candidates won 59.7% [52.0, 67.0] (docs/frontend.md)
+  BF16_CPU=$(grep -qsE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo bfloat16 || echo auto)
+  : "${DECODE_DTYPE:=$BF16_CPU}" "${SCORE_DTYPE:=$BF16_CPU}"
+  : "${TRAIN_DTYPE:=$BF16_CPU}" "${WARMUP_DTYPE:=auto}"
 fi
 TRAIN_TASKS=${TRAIN_TASKS:-}          # ColBench data (a JSONL or a `datasets` folder) instead of procedural train tasks
 TEST_TASKS=${TEST_TASKS:-}            # ... and test tasks
@@ -88,6 +91,7 @@ GRAD_CKPT=${GRAD_CKPT:-$([ "$MODEL" = embedded ] && echo 0 || echo 1)}  # activa
 TRAIN_DTYPE=${TRAIN_DTYPE:-auto}      # training's compute: auto (bf16 on GPU, fp32 on CPU) | bfloat16 (CPU: ~1.8x faster, docs/speed.md) | float32
 WARMUP_DTYPE=${WARMUP_DTYPE:-$TRAIN_DTYPE}  # ... of the warm-up SFT alone
 DECODE_DTYPE=${DECODE_DTYPE:-auto}    # sampling (rollouts, labelling; hf backend): auto (bf16 on GPU, fp32 on CPU) | bfloat16 (CPU: bf16 matmuls) | float32
+SCORE_DTYPE=${SCORE_DTYPE:-auto}      # labelling's critics and pi_ref scoring the candidates: the same choices
 SEED=${SEED:-0}
 SIMULATOR_URL=${SIMULATOR_URL:-}      # empty: start the embedded scripted human
 BASELINES=${BASELINES:-0}
@@ -97,7 +101,7 @@ PROMPT_DIR=${PROMPT_DIR:-}            # prompt templates replacing ours (e.g. a 
 
 KNOWN="SMALL TRAIN_TASKS TEST_TASKS RUN MODEL WARMUP N_WARMUP WARMUP_FAMILIES ORACLE_HASTY WARM_BAND WARMUP_TRIES HASTY_STEP ORACLE_DETOUR N_TRAIN N_TEST N_VAL VAL_SAMPLES SNAPSHOTS SAMPLES ORACLE_SAMPLES
   CANDIDATES PAIRS_PER_STATE DATA_FRACTION DPO_EPOCHS TEMPERATURE TRAIN_TEMPERATURE TOP_P MAX_TURNS MAX_NEW_TOKENS LR_WARMUP LR_CRITIC LR_DPO
-  CRITIC_EPOCHS GROUP_BY_TASK CREDIT_VARIANTS TRAIN_LAYERS BATCH_SIZE NPROC AGENT_BACKEND GRAD_CKPT TRAIN_DTYPE WARMUP_DTYPE DECODE_DTYPE SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL PROMPT_DIR REPORT_DIALOGUES SETUP PY"
+  CRITIC_EPOCHS GROUP_BY_TASK CREDIT_VARIANTS TRAIN_LAYERS BATCH_SIZE NPROC AGENT_BACKEND GRAD_CKPT TRAIN_DTYPE WARMUP_DTYPE DECODE_DTYPE SCORE_DTYPE SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL PROMPT_DIR REPORT_DIALOGUES SETUP PY"
 echo "run.sh: run directory $RUN$([ -d "$RUN" ] && echo ' (exists: finished stages are reused)')"
 for v in OUT_DIR OUTPUT_DIR RUN_DIR OUTPUT; do  # easy mistakes: run.sh reads RUN
   if [ -n "${!v-}" ]; then echo "run.sh: warning: $v is set but run.sh does not read it; the run directory is RUN=$RUN" >&2; fi
@@ -257,7 +261,7 @@ if [ "$CREDIT_VARIANTS" -ge 2 ]; then
 fi
 [ ${#variants[@]} -gt 0 ] && variants=(--credit_critics "$(IFS=,; echo "${variants[*]}")")
 sample "$RUN/pairs.jsonl" label_turns.py --trajectories "$RUN/train_graded.jsonl" --critic "$RUN/critic" --output "$RUN/pairs.jsonl" \
-  --agent_backend "$AGENT_BACKEND" --decode_dtype "$DECODE_DTYPE" \
+  --agent_backend "$AGENT_BACKEND" --decode_dtype "$DECODE_DTYPE" --score_dtype "$SCORE_DTYPE" \
   --num_candidates "$CANDIDATES" --pairs_per_state "$PAIRS_PER_STATE" --data_fraction "$DATA_FRACTION" \
   --temperature 1.0 --max_new_tokens "$MAX_NEW_TOKENS" --max_turns "$MAX_TURNS" --seed "$SEED" "${variants[@]}"
 if [ "$NPROC" -gt 1 ] && [ -z "$TRAIN_TASKS" ]; then "$PY" credit.py --pairs "$RUN/pairs.jsonl"; fi  # over all shards

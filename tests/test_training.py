@@ -447,6 +447,23 @@ def test_label_turns_then_dpo_modes(tiny_model, tmp_path):
     for a, b in zip(states, plain):
         assert a["advantages"] == pytest.approx(b["advantages"], abs=1e-5)
     assert max(abs(x) for s in states for x in s["advantages"]) > 1e-4  # advantages of a critic that moved
+    # --score_dtype bfloat16: the critic and pi_ref score with bf16 matmuls (still sharing the frozen layer), the
+    # sampler keeps fp32 pi_ref (the same candidates), and the advantages are fp32's up to bf16 rounding
+    run_script("label_turns.py", *args[:5], tmp_path / "bf16.jsonl", *args[6:], "--score_dtype", "bfloat16")
+    bf16 = read_jsonl(tmp_path / "bf16.jsonl.states.jsonl")
+    assert [s["candidates"] for s in bf16] == [s["candidates"] for s in states]
+    diffs = [abs(a - b) for s, t in zip(states, bf16) for a, b in zip(s["advantages"], t["advantages"])]
+    assert 0 < max(diffs) < 0.02, max(diffs)
+    critic_settings, ref_name = label_turns.load_critics({"sweet": tmp_path / "critic"})
+    scorer = label_turns.Scorer.load({"sweet": tmp_path / "critic"}, critic_settings, ref_name, torch.device("cpu"),
+                                     4096, 10, 65536, dtype="bfloat16")
+    kinds = lambda m: {type(x).__name__ for x in m.modules()}
+    assert "Bf16Linear" in kinds(scorer.ref) and "Bf16Linear" in kinds(scorer.critics["sweet"])
+    assert "Linear" in kinds(scorer.plain_ref) and "Bf16Linear" not in kinds(scorer.plain_ref)
+    assert scorer.bottom is not None  # the bf16 critic and pi_ref still share their frozen layer
+    with pytest.raises(SystemExit, match="score_dtype"):
+        label_turns.Scorer.load({"sweet": tmp_path / "critic"}, critic_settings, ref_name, torch.device("cpu"),
+                                4096, 10, 65536, dtype="float16")
     assert len(states) >= 3 and all(len(s["candidates"]) == 4 for s in states)
     for p in pairs:
         assert set(p) >= {"prompt", "chosen", "rejected", "chosen_advantage", "rejected_advantage", "task_id", "turn"}

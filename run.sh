@@ -36,9 +36,9 @@ if [ "${TASK_TYPE:-code}" = html ] && [ "${SMALL:-0}" != 1 ] && [ -z "${TRAIN_TA
   # TRAIN_DTYPE bfloat16 where the CPU has bf16 instructions: the critics and DPO under bf16 autocast (fp32
   # weights), the warm-up SFT still fp32 (WARMUP_DTYPE auto), as a bf16 warm-up is another starting policy
   # (docs/frontend.md, "bf16 critics and DPO")
-  # DECODE_DTYPE, SCORE_DTYPE bfloat16 there too: rollouts and labelling sample in 0.6x the time, labelling scores in
-  # 0.7x (docs/speed.md). The one html loss sampled so (b244b09) was its critic's draw: grouped by task, the
-  # same draw and candidates won 59.7% [52.0, 67.0] (docs/frontend.md)
+  # DECODE_DTYPE, SCORE_DTYPE bfloat16 there too, for time: rollouts and labelling sample in 0.6x the time, labelling
+  # scores in 0.64x (docs/speed.md). The html updates' test outcomes spread as widely with fp32 sampling as with
+  # bf16 (b244b09's draw lost with one critic and won 59.7% with another; docs/frontend.md)
   BF16_CPU=$(grep -qsE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo bfloat16 || echo auto)
   : "${DECODE_DTYPE:=$BF16_CPU}" "${SCORE_DTYPE:=$BF16_CPU}"
   : "${TRAIN_DTYPE:=$BF16_CPU}" "${WARMUP_DTYPE:=auto}"

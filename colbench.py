@@ -105,7 +105,7 @@ HUMAN_PROMPT = {
     "html_facts": ("You are a person who asked an assistant to design a web page: {problem_description}\n\n"
                    "HIDDEN INFORMATION (only you know it):\n{hidden_information}\nEND HIDDEN INFORMATION\n\n"
                    "If the assistant shows you its page (the first image), name the single most important hidden fact "
-                   "it gets wrong. Otherwise answer its last message using only the hidden information, in at most two "
+                   "it gets wrong, or if none, the first fact of your request it gets wrong. Otherwise answer its last message using only the hidden information, in at most two "
                    "sentences, or say you don't know. Never reveal more than asked. Never write code."),
 }
 
@@ -285,7 +285,8 @@ def turn_class(task, dialogue, turn, last_turn=False, grade=None):
 # Procedural frontend pages with hidden design facts (ours; generate_tasks.py). Each fact is one
 # sentence; the description states some, hidden_information the others, one a line. The scripted
 # human answers a text question with the hidden lines it matches (as on code) and a shown draft with
-# the most important hidden fact it gets wrong, read from the draft's pixels (render.design_features).
+# the most important hidden fact it gets wrong (else the first fact of its request it breaks), read
+# from the draft's pixels (render.design_features).
 # ----------------------------------------------------------------------------------------------
 HUES = ("red", "yellow", "green", "blue", "purple", "pink", "gray")
 DESIGN_FACTS = {  # key -> (sentence, values), in the order the human ranks a draft's differences
@@ -310,11 +311,15 @@ def parse_design_fact(line):
     return None
 
 
+def stated_design(description):
+    """{key: value} of the design facts a request states."""
+    return dict(filter(None, map(parse_design_fact, re.split(r"(?<=\.)\s+|\n", description))))
+
+
 def design_of(task):
     """{key: value} of every design fact a procedural page states (description and hidden lines);
     empty for other frontend tasks."""
-    text = task.get("problem_description", "") + "\n" + task.get("hidden_information", "")
-    return dict(filter(None, map(parse_design_fact, re.split(r"(?<=\.)\s+|\n", text))))
+    return stated_design(task.get("problem_description", "") + "\n" + task.get("hidden_information", ""))
 
 
 def design_mismatches(design, features):
@@ -322,12 +327,15 @@ def design_mismatches(design, features):
     return [k for k in DESIGN_FACTS if k in design and features.get(k) != design[k]]
 
 
-def draft_reply(hidden, features):
+def draft_reply(hidden, features, stated=None):
     """The scripted human's reply to a shown draft: the most important hidden fact the draft gets wrong,
-    quoted; never more than one."""
-    facts = dict(filter(None, map(parse_design_fact, hidden.splitlines())))
-    wrong = design_mismatches(facts, features)
-    return f"Not quite. {design_fact(wrong[0], facts[wrong[0]])}" if wrong else "Yes, that is what I have in mind."
+    quoted; never more than one. A draft right on every hidden fact that breaks a fact of the request
+    (stated: {key: value}) hears the first such fact (nothing new) instead of an approval."""
+    for design in (dict(filter(None, map(parse_design_fact, hidden.splitlines()))), stated or {}):
+        wrong = design_mismatches(design, features)
+        if wrong:
+            return f"Not quite. {design_fact(wrong[0], design[wrong[0]])}"
+    return "Yes, that is what I have in mind."
 
 
 def design_turn_class(task, dialogue, turn, last_turn, features_of):
@@ -337,7 +345,7 @@ def design_turn_class(task, dialogue, turn, last_turn, features_of):
     page = extract_html(turn.split(ANSWER_MARKER, 1)[-1])
     if ANSWER_MARKER in turn or last_turn:
         return "good" if page and not design_mismatches(design_of(task), features_of(page)) else "bad"
-    reply = draft_reply(task["hidden_information"], features_of(page)) if page else \
+    reply = draft_reply(task["hidden_information"], features_of(page), stated_design(task["problem_description"])) if page else \
         scripted_reply(task["hidden_information"], turn)
     new = {f for f in hidden_facts(task) if f in reply} - revealed_facts(task, dialogue)
     return "good" if new else "bad"

@@ -19,8 +19,9 @@ Backends:
   generate_tasks.LLM_PROMPT, it returns a procedural task, so the `llm` task source can be tested
   offline.
   Given images and hidden design facts (procedural pages, colbench.DESIGN_FACTS; ours), it quotes
-  the most important hidden fact a shown draft gets wrong (read from the draft's pixels), or answers
-  a text question with the hidden lines it matches, as on code: one thing at a time.
+  the most important hidden fact a shown draft gets wrong (else the first fact of its request that
+  the draft breaks; read from the draft's pixels), or answers a text question with the hidden lines
+  it matches, as on code: one thing at a time.
   Given images only (the frontend human of ColBench: the agent's render, if any, then the target),
   it is a deterministic design critic: it compares the pixels (page, header and footer colours, the stack
   of colour blocks, alignment, height) and names the most outstanding differences in at most three
@@ -169,8 +170,9 @@ class ScriptedBackend:
                       if isinstance(p, dict) and p.get("type") == "image_url"]
             texts = [p.get("text", "") for p in last if isinstance(p, dict) and p.get("type") == "text"]
             if hidden is not None:  # a page with hidden design facts (ours): a draft gets one fact, a question its lines
-                if len(images) > 1:
-                    return colbench.draft_reply(hidden, render.design_features(images[0]))
+                if len(images) > 1:  # the hidden facts, then those of its request (in the system prompt)
+                    request = system.split("HIDDEN INFORMATION", 1)[0]
+                    return colbench.draft_reply(hidden, render.design_features(images[0]), colbench.stated_design(request))
                 return colbench.scripted_reply(hidden, texts[0] if texts else "")
             if images:
                 return design_feedback(images[0] if len(images) > 1 else None, images[-1])

@@ -196,6 +196,14 @@ def test_html_human_reveals_one_fact_at_a_time(renderer):
     draft = generate_tasks.design_page({"background": "white", "header": "red", "boxes": "3", "footer": "gray",
                                         "title": "left"}, "Gym")
     assert ask(f"Here is a draft. {draft}", renderer.render(draft)[0]) == "Not quite. The page background is dark."
+    # a draft right on every hidden fact but against the request (3 boxes) is not approved: the human names
+    # the stated fact it breaks (nothing new), and approves the page once it matches
+    draft = generate_tasks.design_page({"background": "dark", "header": "green", "boxes": "2", "footer": "gray",
+                                        "title": "right"}, "Gym")
+    assert ask(f"Here is a draft. {draft}", renderer.render(draft)[0]) == "Not quite. There are 3 boxes in a row."
+    draft = generate_tasks.design_page({"background": "dark", "header": "green", "boxes": "3", "footer": "gray",
+                                        "title": "right"}, "Gym")
+    assert ask(f"Here is a draft. {draft}", renderer.render(draft)[0]) == "Yes, that is what I have in mind."
 
 
 def test_html_turn_classes():
@@ -215,6 +223,14 @@ def test_html_turn_classes():
     assert cls("Which font do you like?") == "bad"
     assert cls(f"Draft: {red}") == "good" and cls(f"Draft: {red}", heard) == "bad"  # names the header, known by then
     assert cls(f"Draft: {right}") == "bad"  # nothing left to reveal: the human approves it
+    # a wrong hidden fact is named before a broken request (a red footer, the title wrong too): it reveals
+    off = generate_tasks.design_page(dict(design, footer="red", title="left"), "Gym")
+    feats[off] = dict(design, footer="red", title="left")
+    assert cls(f"Draft: {off}") == "good" and cls(f"I WANT TO ANSWER: {off}") == "bad"
+    # a draft right on every hidden fact that breaks the request hears the stated fact: nothing new
+    off = generate_tasks.design_page(dict(design, footer="red"), "Gym")
+    feats[off] = dict(design, footer="red")
+    assert cls(f"Draft: {off}") == "bad" and cls(f"I WANT TO ANSWER: {off}") == "bad"
     assert cls(f"I WANT TO ANSWER: {right}") == "good" and cls(f"I WANT TO ANSWER: {left}") == "bad"
     assert cls("I WANT TO ANSWER: no page") == "bad"
     assert colbench.design_turn_class(task, [], right, True, feats.__getitem__) == "good"  # the last turn is the answer

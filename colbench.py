@@ -322,6 +322,13 @@ def design_of(task):
     return stated_design(task.get("problem_description", "") + "\n" + task.get("hidden_information", ""))
 
 
+def known_design(task, dialogue):
+    """{key: value} of the design facts the agent has been told by the end of `dialogue`: those its request
+    states and the hidden ones the human has said."""
+    return {**stated_design(task["problem_description"]),
+            **dict(filter(None, map(parse_design_fact, revealed_facts(task, dialogue))))}
+
+
 def design_mismatches(design, features):
     """The keys of `design` (in DESIGN_FACTS order) that a render's features (render.design_features) get wrong."""
     return [k for k in DESIGN_FACTS if k in design and features.get(k) != design[k]]

@@ -90,8 +90,18 @@ def grade_html(rows, args):
         r.update(reward=float(s), metric=sim.metric, rendered=ok, target_rendered=targets[r["task_id"]][1])
         design = colbench.design_of(r["task"]) if r["task"].get("hidden_information") else {}
         if design:
-            r["success"] = r["exact_design"] = bool(r["answer"]) and not colbench.design_mismatches(design, render.design_features(img))
+            features = render.design_features(img)
+            r["success"] = r["exact_design"] = bool(r["answer"]) and not colbench.design_mismatches(design, features)
+            # facts the agent had been told (stated in the request or heard) that its answer breaks: an informed
+            # answer gone wrong, which no question could have prevented
+            r["known_fact_errors"] = colbench.design_mismatches(colbench.known_design(r["task"], r["dialogue_history"]),
+                                                                features) if r["answer"] else []
     return rows, {"metric": sim.metric, "render_failures": failures}
+
+
+def known_fact_error_rate(rows):
+    """procedural pages: the share of dialogues whose answer breaks a design fact the agent had been told"""
+    return sum(bool(r["known_fact_errors"]) for r in rows) / len(rows)
 
 
 def win_rate(rows, reference_rows):
@@ -184,6 +194,8 @@ def print_table(s, title=""):
             lines += [(f"best-of-{s['k']} similarity", f"{100 * s['best_of_k_tests']:.1f}%")]
         if s.get("exact_design") is not None:
             lines += [("exact design (every design fact right)", f"{100 * s['exact_design']:.1f}%")]
+        if s.get("known_fact_errors") is not None:
+            lines += [("answers breaking a fact the agent was told", f"{100 * s['known_fact_errors']:.1f}%")]
         if s.get("win_rate") is not None:
             lines += [("win rate vs reference", f"{100 * s['win_rate']:.1f}%")]
         lines += [("pages that failed to render", s["render_failures"])]
@@ -243,6 +255,10 @@ def compare(args):
         if html and all("exact_design" in r for r in rows):
             exact[name] = sum(r["exact_design"] for r in rows) / len(rows)
             exact_task[name] = {t: sum(r["exact_design"] for r in v) / len(v) for t, v in by.items()}
+        if html and all("known_fact_errors" in r for r in rows):  # and how many answers broke each fact
+            length[name]["known_fact_errors"] = known_fact_error_rate(rows)
+            length[name]["known_fact_errors_by_fact"] = {k: sum(k in r["known_fact_errors"] for r in rows)
+                                                         for k in colbench.DESIGN_FACTS}
     html = metric != "success"
     score = "similarity" if html else "success"
     base = next(iter(runs))
@@ -305,6 +321,11 @@ def compare(args):
     # an update that shortens the dialogues answers sooner, with fewer facts heard
     print("agent turns (mean), answered: " + ", ".join(f"{name} {v['mean_turns']:.2f}, {100 * v['answered_rate']:.0f}%"
                                                       for name, v in length.items()))
+    if any("known_fact_errors" in v for v in length.values()):  # an update can make informed answers worse
+        print("answers breaking a design fact the agent was told (stated or heard), then answers per fact ("
+              + "/".join(colbench.DESIGN_FACTS) + "): " + ", ".join(
+                  f"{name} {100 * v['known_fact_errors']:.1f}% ({'/'.join(map(str, v['known_fact_errors_by_fact'].values()))})"
+                  for name, v in length.items() if "known_fact_errors" in v))
     if outcomes:
         print("where the dialogues ended: " + " / ".join(colbench.OUTCOMES))
         for name, o in outcomes.items():
@@ -375,6 +396,8 @@ def main(args):
         s["similarity"], s["win_rate"] = s["tests_passed"], None
         if rows and all("exact_design" in r for r in rows):  # procedural pages: success = exact design
             s["exact_design"] = s["success_rate"]
+        if rows and all("known_fact_errors" in r for r in rows):
+            s["known_fact_errors"] = known_fact_error_rate(rows)
         if args.reference:
             ref = [r for _, r in common.read_jsonl(args.reference)]
             if ref and ref[0].get("metric") != s["metric"]:

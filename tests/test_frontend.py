@@ -149,6 +149,20 @@ def test_html_rollout_and_evaluation_end_to_end(tiny_model, simulator_url, tmp_p
     oracle, tiny = (json.loads((tmp_path / f).read_text()) for f in ("os.json", "rs.json"))
     assert oracle["similarity"] == pytest.approx(1.0) and oracle["metric"] == "pixel_hist_v1"
     assert oracle["exact_design"] == 1.0 and oracle["mean_turns"] > 1  # it asked or showed drafts before answering
+    assert oracle["known_fact_errors"] == 0.0 and all(r["known_fact_errors"] == [] for r in read_jsonl(tmp_path / "og.jsonl"))
+    # an answer that breaks a fact the agent heard (and one it never heard): only the heard one is an informed error
+    task = read_jsonl(tmp_path / "t.jsonl")[0]
+    heard, unheard = (colbench.parse_design_fact(f) for f in colbench.hidden_facts(task)[:2])
+    flip = lambda key, v: next(x for x in colbench.DESIGN_FACTS[key][1] if x != v)
+    page = generate_tasks.design_page(dict(colbench.design_of(task), **{heard[0]: flip(*heard), unheard[0]: flip(*unheard)}), "Shop")
+    dialogue = [{"role": "user", "content": task["problem_description"]}, {"role": "assistant", "content": "?"},
+                {"role": "user", "content": colbench.design_fact(*heard)},
+                {"role": "assistant", "content": f"{colbench.ANSWER_MARKER}\n{page}"}]
+    (tmp_path / "w.jsonl").write_text(json.dumps({"task": task, "dialogue_history": dialogue, "answer": page}) + "\n")
+    run_script("evaluate.py", "--task_type", "html", "--input", tmp_path / "w.jsonl", "--output", tmp_path / "wg.jsonl",
+               "--summary", tmp_path / "ws.json")
+    assert read_jsonl(tmp_path / "wg.jsonl")[0]["known_fact_errors"] == [heard[0]]
+    assert json.loads((tmp_path / "ws.json").read_text())["known_fact_errors"] == 1.0
     assert tiny["similarity"] < 1.0 and tiny["win_rate"] == 0.0  # the random model never beats the target itself
     assert all(r["metric"] == "pixel_hist_v1" for r in read_jsonl(tmp_path / "rg.jsonl"))
     again = run_script("evaluate.py", "--task_type", "html", "--input", tmp_path / "r.jsonl", "--output", tmp_path / "rg.jsonl",
@@ -206,6 +220,16 @@ def test_html_human_reveals_one_fact_at_a_time(renderer):
     assert ask(f"Here is a draft. {draft}", renderer.render(draft)[0]) == "Yes, that is what I have in mind."
 
 
+def test_known_design():
+    """The facts an agent has been told: those its request states, and the hidden lines the human has said."""
+    task = {"problem_description": "A page for my gym. The footer is gray. There are 3 boxes in a row.",
+            "hidden_information": "The page background is dark.\nThe header is green."}
+    dialogue = [{"role": "user", "content": task["problem_description"]}, {"role": "assistant", "content": "Header colour?"},
+                {"role": "user", "content": "The header is green."}]
+    assert colbench.known_design(task, dialogue[:1]) == {"footer": "gray", "boxes": "3"}
+    assert colbench.known_design(task, dialogue) == {"footer": "gray", "boxes": "3", "header": "green"}
+
+
 def test_html_turn_classes():
     """Questions and drafts are good when they reveal a hidden fact not yet revealed; an answer when its
     render matches every design fact (features given here; the browser path is tested above)."""
@@ -236,10 +260,11 @@ def test_html_turn_classes():
     assert colbench.design_turn_class(task, [], right, True, feats.__getitem__) == "good"  # the last turn is the answer
 
 
-def test_compare_reports_html_similarity_win_rate_and_exact_design(tmp_path):
+def test_compare_reports_html_similarity_win_rate_and_exact_design(tmp_path, capsys):
     rows = lambda rewards, exact: "".join(json.dumps({"task": {"problem_description": "p", "ground_truth": "g"}, "task_id": f"t{i}",
                                                      "sample": 0, "reward": r, "metric": "pixel_hist_v1", "success": e,
-                                                     "exact_design": e, "dialogue_history": []}) + "\n"
+                                                     "exact_design": e, "dialogue_history": [],
+                                                     "known_fact_errors": [] if e or r > 0.5 else ["background"]}) + "\n"
                                           for i, (r, e) in enumerate(zip(rewards, exact)))
     (tmp_path / "a.jsonl").write_text(rows([0.5, 0.8, 0.9, 0.3], [False, False, True, False]))
     (tmp_path / "b.jsonl").write_text(rows([0.9, 0.8, 1.0, 0.2], [True, False, True, False]))
@@ -253,6 +278,10 @@ def test_compare_reports_html_similarity_win_rate_and_exact_design(tmp_path):
     assert p["win_rate_ci95"][0] <= p["win_rate"] <= p["win_rate_ci95"][1] and p["ci95"][0] <= p["diff"] <= p["ci95"][1]
     assert p["exact_design_diff"] == pytest.approx(0.25) and p["exact_design_ci95"] == [0.0, 0.75]  # one task of 4 gained
     assert (p["won"], p["tied"], p["lost"], p["won_by_under_005"], p["lost_by_under_005"]) == (2, 1, 1, 0, 0)
+    assert z["known_fact_errors"] == 0.5 and s["known_fact_errors"] == 0.25  # answers breaking a fact they were told
+    assert z["known_fact_errors_by_fact"] == {"background": 2, "header": 0, "boxes": 0, "footer": 0, "title": 0}
+    assert "(background/header/boxes/footer/title): zero_shot 50.0% (2/0/0/0/0), sweet_rl 25.0% (1/0/0/0/0)" in \
+        capsys.readouterr().out
     (tmp_path / "d.jsonl").write_text(rows([0.52, 0.8, 0.88, 0.3], [False] * 4))  # near-ties: +0.02 and -0.02
     near = evaluate.main(common.parse_args(evaluate.Args, argv=["--compare", f"zero_shot={tmp_path / 'a.jsonl'},"
                                                                  f"near={tmp_path / 'd.jsonl'}"]))["paired_vs_zero_shot"]["near"]

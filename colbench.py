@@ -105,8 +105,9 @@ HUMAN_PROMPT = {
     "html_facts": ("You are a person who asked an assistant to design a web page: {problem_description}\n\n"
                    "HIDDEN INFORMATION (only you know it):\n{hidden_information}\nEND HIDDEN INFORMATION\n\n"
                    "If the assistant shows you its page (the first image), name the single most important hidden fact "
-                   "it gets wrong, or if none, the first fact of your request it gets wrong. Otherwise answer its last message using only the hidden information, in at most two "
-                   "sentences, or say you don't know. Never reveal more than asked. Never write code."),
+                   "it gets wrong, or if none, the first fact of your request it gets wrong. Otherwise answer its last "
+                   "message using only the hidden information, in at most two sentences, or say you don't know. Never "
+                   "reveal more than asked. Never write code."),
 }
 
 
@@ -311,22 +312,21 @@ def parse_design_fact(line):
     return None
 
 
-def stated_design(description):
-    """{key: value} of the design facts a request states."""
-    return dict(filter(None, map(parse_design_fact, re.split(r"(?<=\.)\s+|\n", description))))
+def design_in(text):
+    """{key: value} of the design-fact sentences in `text` (a request, hidden lines, what the human said)."""
+    return dict(filter(None, map(parse_design_fact, re.split(r"(?<=\.)\s+|\n", text))))
 
 
 def design_of(task):
     """{key: value} of every design fact a procedural page states (description and hidden lines);
     empty for other frontend tasks."""
-    return stated_design(task.get("problem_description", "") + "\n" + task.get("hidden_information", ""))
+    return design_in(task.get("problem_description", "") + "\n" + task.get("hidden_information", ""))
 
 
 def known_design(task, dialogue):
     """{key: value} of the design facts the agent has been told by the end of `dialogue`: those its request
     states and the hidden ones the human has said."""
-    return {**stated_design(task["problem_description"]),
-            **dict(filter(None, map(parse_design_fact, revealed_facts(task, dialogue))))}
+    return {**design_in(task["problem_description"]), **design_in("\n".join(revealed_facts(task, dialogue)))}
 
 
 def design_mismatches(design, features):
@@ -338,7 +338,7 @@ def draft_reply(hidden, features, stated=None):
     """The scripted human's reply to a shown draft: the most important hidden fact the draft gets wrong,
     quoted; never more than one. A draft right on every hidden fact that breaks a fact of the request
     (stated: {key: value}) hears the first such fact (nothing new) instead of an approval."""
-    for design in (dict(filter(None, map(parse_design_fact, hidden.splitlines()))), stated or {}):
+    for design in (design_in(hidden), stated or {}):
         wrong = design_mismatches(design, features)
         if wrong:
             return f"Not quite. {design_fact(wrong[0], design[wrong[0]])}"
@@ -352,8 +352,8 @@ def design_turn_class(task, dialogue, turn, last_turn, features_of):
     page = extract_html(turn.split(ANSWER_MARKER, 1)[-1])
     if ANSWER_MARKER in turn or last_turn:
         return "good" if page and not design_mismatches(design_of(task), features_of(page)) else "bad"
-    reply = draft_reply(task["hidden_information"], features_of(page), stated_design(task["problem_description"])) if page else \
-        scripted_reply(task["hidden_information"], turn)
+    reply = (draft_reply(task["hidden_information"], features_of(page), design_in(task["problem_description"])) if page
+             else scripted_reply(task["hidden_information"], turn))
     new = {f for f in hidden_facts(task) if f in reply} - revealed_facts(task, dialogue)
     return "good" if new else "bad"
 

@@ -172,7 +172,7 @@ class ScriptedBackend:
             if hidden is not None:  # a page with hidden design facts (ours): a draft gets one fact, a question its lines
                 if len(images) > 1:  # the hidden facts, then those of its request (in the system prompt)
                     request = system.split("HIDDEN INFORMATION", 1)[0]
-                    return colbench.draft_reply(hidden, render.design_features(images[0]), colbench.stated_design(request))
+                    return colbench.draft_reply(hidden, render.design_features(images[0]), colbench.design_in(request))
                 return colbench.scripted_reply(hidden, texts[0] if texts else "")
             if images:
                 return design_feedback(images[0] if len(images) > 1 else None, images[-1])

@@ -345,6 +345,14 @@ def draft_reply(hidden, features, stated=None):
     return "Yes, that is what I have in mind."
 
 
+def turn_kind(turn):
+    """What an agent turn does: 'answer' (it carries the answer marker), 'draft' (it shows a page) or
+    'question'."""
+    if ANSWER_MARKER in turn:
+        return "answer"
+    return "draft" if extract_html(turn) else "question"
+
+
 def design_turn_class(task, dialogue, turn, last_turn, features_of):
     """Ground-truth credit of a candidate turn on a procedural page (features_of(html) -> the render's
     design features): an answer is good when its page matches every design fact; a question or a shown

@@ -116,17 +116,13 @@ def class_pairs(states, name):
                     yield s, i, j, 1.0 if adv[i] > adv[j] else 0.5 if adv[i] == adv[j] else 0.0
 
 
-def turn_kind(candidate):
-    """answer (it has the marker), draft (it shows a page) or question."""
-    return "answer" if colbench.ANSWER_MARKER in candidate else "draft" if colbench.extract_html(candidate) else "question"
-
-
 def credit_by_kind(states, name):
     """credit_accuracy split by what the two candidates are, e.g. 'good answer > bad question' (an informed
     state: answering beats asking again): {split: [accuracy, pairs]}."""
     hits = {}
     for s, i, j, hit in class_pairs(states, name):
-        h = hits.setdefault(f"good {turn_kind(s['candidates'][i])} > bad {turn_kind(s['candidates'][j])}", [0.0, 0])
+        kinds = [colbench.turn_kind(s["candidates"][k]) for k in (i, j)]
+        h = hits.setdefault(f"good {kinds[0]} > bad {kinds[1]}", [0.0, 0])
         h[0] += hit
         h[1] += 1
     return {k: [round(h / n, 4), n] for k, (h, n) in sorted(hits.items())}
@@ -137,7 +133,7 @@ def kind_order(states):
     turn is, one fixed order of kinds in every state (e.g. draft > question > answer; ties within a kind).
     Its accuracy says how much of the score a blanket preference earns; the rest needs the state.
     Returns {"order": "draft > question > answer", "accuracy": a} or None without class pairs."""
-    labelled = [(s["classes"], [turn_kind(c) for c in s["candidates"]]) for s in states if s.get("classes")]
+    labelled = [(s["classes"], [colbench.turn_kind(c) for c in s["candidates"]]) for s in states if s.get("classes")]
     best = None
     for order in itertools.permutations(sorted({k for _, kinds in labelled for k in kinds})):
         rank = {kind: -i for i, kind in enumerate(order)}
@@ -192,7 +188,7 @@ def dpo_pair_kinds(states, pairs):
     counts = {}
     for p in pairs:
         c = classes.get((p["task_id"], p["sample"], p["turn"]), {})
-        key = " > ".join(" ".join(filter(None, [c.get(t), turn_kind(t)])) for t in (p["chosen"], p["rejected"]))
+        key = " > ".join(" ".join(filter(None, [c.get(t), colbench.turn_kind(t)])) for t in (p["chosen"], p["rejected"]))
         counts[key] = counts.get(key, 0) + 1
     return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 

@@ -79,6 +79,7 @@ MAX_TURNS=${MAX_TURNS:-10}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-$([ "${TASK_TYPE:-code}" = html ] && echo 192 || echo 96)}  # a procedural page is 122-161 tokens
 LR_WARMUP=${LR_WARMUP:-1e-4}
 LR_CRITIC=${LR_CRITIC:-1e-4}          # chosen by turn-credit accuracy on the stored candidates of SEED=0 (docs/curriculum.md; html: above)
+DPO_CROSS_KIND=${DPO_CROSS_KIND:-turn}  # SWEET-RL's DPO on pairs of different turn kinds: turn (every token) | decision (first lines; train_dpo.py)
 LR_DPO=${LR_DPO:-6e-6}               # chosen on validation tasks (seed 100) over 3e-6 and 1e-5 (docs/curriculum.md, "How far turn-level DPO moves the policy")
 TRAIN_LAYERS=${TRAIN_LAYERS:-$([ "$MODEL" = embedded ] && echo 10 || echo 0)}  # critic/DPO train only the top N layers (0 = all; README, deviations)
 CRITIC_EPOCHS=${CRITIC_EPOCHS:-2}
@@ -100,7 +101,7 @@ CLIP_MODEL=${CLIP_MODEL:-}            # html: a local CLIP model; empty = the na
 PROMPT_DIR=${PROMPT_DIR:-}            # prompt templates replacing ours (e.g. a released checkout's prompts/)
 
 KNOWN="SMALL TRAIN_TASKS TEST_TASKS RUN MODEL WARMUP N_WARMUP WARMUP_FAMILIES ORACLE_HASTY WARM_BAND WARMUP_TRIES HASTY_STEP ORACLE_DETOUR N_TRAIN N_TEST N_VAL VAL_SAMPLES SNAPSHOTS SAMPLES ORACLE_SAMPLES
-  CANDIDATES PAIRS_PER_STATE DATA_FRACTION DPO_EPOCHS TEMPERATURE TRAIN_TEMPERATURE TOP_P MAX_TURNS MAX_NEW_TOKENS LR_WARMUP LR_CRITIC LR_DPO
+  CANDIDATES PAIRS_PER_STATE DATA_FRACTION DPO_EPOCHS DPO_CROSS_KIND TEMPERATURE TRAIN_TEMPERATURE TOP_P MAX_TURNS MAX_NEW_TOKENS LR_WARMUP LR_CRITIC LR_DPO
   CRITIC_EPOCHS GROUP_BY_TASK CREDIT_VARIANTS TRAIN_LAYERS BATCH_SIZE NPROC AGENT_BACKEND GRAD_CKPT TRAIN_DTYPE WARMUP_DTYPE DECODE_DTYPE SCORE_DTYPE SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL PROMPT_DIR REPORT_DIALOGUES SETUP PY"
 echo "run.sh: run directory $RUN$([ -d "$RUN" ] && echo ' (exists: finished stages are reused)')"
 for v in OUT_DIR OUTPUT_DIR RUN_DIR OUTPUT; do  # easy mistakes: run.sh reads RUN
@@ -266,7 +267,8 @@ sample "$RUN/pairs.jsonl" label_turns.py --trajectories "$RUN/train_graded.jsonl
   --temperature 1.0 --max_new_tokens "$MAX_NEW_TOKENS" --max_turns "$MAX_TURNS" --seed "$SEED" "${variants[@]}"
 if [ "$NPROC" -gt 1 ] && [ -z "$TRAIN_TASKS" ]; then "$PY" credit.py --pairs "$RUN/pairs.jsonl"; fi  # over all shards
 have "$RUN/policy_sweet" || train train_dpo.py --mode turn --pairs "$RUN/pairs.jsonl" --model "$POLICY" \
-  --output_dir "$RUN/policy_sweet" --lr "$LR_DPO" --epochs "$DPO_EPOCHS" --seed "$SEED" --train_layers "$TRAIN_LAYERS" "${snap[@]}"
+  --output_dir "$RUN/policy_sweet" --lr "$LR_DPO" --epochs "$DPO_EPOCHS" --seed "$SEED" --train_layers "$TRAIN_LAYERS" \
+  --cross_kind "$DPO_CROSS_KIND" "${snap[@]}"
 best_of sweet "$RUN/policy_sweet"
 
 METHODS="zero_shot:$POLICY sweet_rl:$BEST"

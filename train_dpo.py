@@ -26,6 +26,9 @@ Deviations from the paper / released code:
 1. Constant learning rate, no warm-up (the released recipe uses its framework's schedule).
 2. `trajectory` pairs (multi-turn DPO) are built like the critic's (colbench.trajectory_pairs).
 3. `--sft_on all` (ours) fine-tunes on every dialogue: the embedded warm-up on oracle dialogues.
+4. `--cross_kind decision` (ours; off by default): a pair that prefers asking to answering says nothing
+   about the rejected answer's page, yet the paper's loss pushes down every token of it. With decision,
+   such a pair counts only each turn's first line (docs/frontend.md, "Pairs of different kinds").
 """
 from __future__ import annotations
 
@@ -90,6 +93,10 @@ class Args:
     """sft mode: success (rejection fine-tuning: successful dialogues only) | all (every dialogue: the embedded warm-up)"""
     seed: int = 0
     """data order"""
+    cross_kind: str = "turn"
+    """turn mode, pairs whose two turns are of different kinds (question, draft, answer; colbench.turn_kind):
+    turn (the paper: every token of both turns) | decision (each turn's first line only, the tokens that
+    choose to ask, show or answer; the rest of the turn, a page say, is neither pushed up nor down)"""
     snapshots: int = 0
     """also save the policy at N evenly spaced steps before the last, to OUTPUT_DIR/step-K (run.sh rolls each
     out on validation tasks and keeps the best, the starting policy included: docs/curriculum.md, "A policy update
@@ -127,6 +134,17 @@ def reference_logps_of_state(model, group):
     return [[logp[tuple(t)] for t in ex["shared"][1]] for ex in group]
 
 
+def first_line_tokens(tok, turn, n):
+    """How many of a turn's n tokens (its text's, then end-of-turn) a decision-only pair scores: those that
+    start in its first line, its newline included; all n for a one-line turn (its end-of-turn says that it
+    stops there)."""
+    if "\n" not in turn.strip("\n"):
+        return n
+    end = turn.index("\n", len(turn) - len(turn.lstrip("\n"))) + 1
+    offsets = tok(turn, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    return sum(1 for a, _ in offsets if a < end)
+
+
 def build_examples(args):
     """Each example: {'chosen': turns, 'rejected': turns} (DPO) or {'chosen': turns} (sft)."""
     if args.mode == "turn":
@@ -135,8 +153,9 @@ def build_examples(args):
             for f in ("prompt", "chosen", "rejected"):
                 if not isinstance(r.get(f), str):
                     raise common.DataError(f"{args.pairs}:{line}: '{f}' must be a string (expected label_turns.py output)")
-        return [{"prompt": r["prompt"], "chosen": [(r["prompt"], r["chosen"])], "rejected": [(r["prompt"], r["rejected"])]}
-                for _, r in rows]
+        cut = lambda r: args.cross_kind == "decision" and colbench.turn_kind(r["chosen"]) != colbench.turn_kind(r["rejected"])
+        return [{"prompt": r["prompt"], "chosen": [(r["prompt"], r["chosen"])], "rejected": [(r["prompt"], r["rejected"])],
+                 "decision_only": cut(r)} for _, r in rows]
     graded = colbench.load_graded(args.trajectories)
     if args.mode == "trajectory":
         return [{"chosen": colbench.agent_turns(c), "rejected": colbench.agent_turns(r)}
@@ -159,6 +178,8 @@ def main(args):
                   args.mode != "turn" and args.pairs and "--pairs is for --mode turn",
                   args.task_type not in ("code", "html") and f"--task_type {args.task_type}: choose code or html",
                   args.sft_on not in ("success", "all") and f"--sft_on {args.sft_on}: choose success or all",
+                  args.cross_kind not in ("turn", "decision") and f"--cross_kind {args.cross_kind}: choose turn or decision",
+                  args.cross_kind != "turn" and args.mode != "turn" and "--cross_kind is for --mode turn (pairs of turns)",
                   args.beta <= 0 and "--beta must be positive", args.lr <= 0 and "--lr must be positive",
                   args.nll_coef < 0 and "--nll_coef must be >= 0", args.epochs <= 0 and "--epochs must be positive",
                   *models.precision_problems(args),
@@ -173,15 +194,25 @@ def main(args):
     if not examples:
         sys.exit(f"no training examples for --mode {args.mode} (no pairs / no successful trajectories)")
     if rank == 0:
-        print(f"{len(examples)} examples for --mode {args.mode}", flush=True)
+        cut = sum(ex.get("decision_only", False) for ex in examples)
+        print(f"{len(examples)} examples for --mode {args.mode}" + (f", {cut} of different kinds: first lines only" if cut else ""),
+              flush=True)
     shared = args.mode == "turn" and args.shared_prompt and not args.grad_ckpt  # a KV cache needs no checkpointing
     for ex in examples:  # tokenise once
         if shared:  # (prompt ids, [chosen ids, rejected ids]): the prompt runs once per pair
             ex["shared"] = common.encode_shared(tok, "", ex["prompt"], [ex["chosen"][0][1], ex["rejected"][0][1]], args.max_len)
+            if ex.get("decision_only"):  # a causal model's first k log-probs do not depend on what follows
+                ex["shared"][1][:] = [ids[:first_line_tokens(tok, ex[side][0][1], len(ids))]
+                                      for ids, side in zip(ex["shared"][1], ("chosen", "rejected"))]
             continue
         for side in ("chosen", "rejected"):
             if side in ex:
                 ex[side + "_seqs"] = common.tokenize_turns(tok, ex[side], max_len=args.max_len)
+                if ex.get("decision_only"):  # the turn's tokens after its first line are not scored
+                    ids, turn_of = ex[side + "_seqs"][-1]
+                    start = turn_of.index(0)
+                    k = first_line_tokens(tok, ex[side][0][1], len(ids) - start)
+                    turn_of[start + k:] = [-1] * (len(ids) - start - k)
     model = common.shard_model(models.load_model(args.model, device, args.grad_ckpt, torch.float32, args.train_layers),
                                world, device, models.compute_dtype(args.dtype, device))
 

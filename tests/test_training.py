@@ -502,6 +502,44 @@ def test_label_turns_then_dpo_modes(tiny_model, tmp_path):
     assert len(common.batch_order(270, 8, 1.5, 0)) == 51 and len(common.batch_order(3, 8, 0.1, 0)) == 1
 
 
+def test_dpo_pairs_of_different_kinds_decision_only(tok_model, tiny_model, tmp_path):
+    """--cross_kind decision: a pair of a question and an answer (or a draft) is trained on each turn's first
+    line only, so what follows it (the rejected page) changes nothing; the paper's loss (turn) trains it all.
+    A pair of one kind keeps every token either way, and the one-pass and two-pass paths agree."""
+    tok, _ = tok_model
+    prompt = models.render_prompt(tok, colbench.agent_messages(TASK, [{"role": "user", "content": "A page, dark."}], "html"))
+    page = lambda bg: f'I WANT TO ANSWER:\n<body class="bg-{bg}">\n<header class="p-6">Shop</header>\n</body>'
+    pair = lambda c, r: {"prompt": prompt, "chosen": c, "rejected": r, "task_id": "t0", "turn": 0}
+    for bg in ("white", "gray-900"):  # two files that differ only after the first line of a rejected answer
+        rows = [pair("What colour is the header?", page(bg)), pair("What colour is the header?", "Which font?"),
+                pair("Here is a draft. What should change?\n<body class=\"bg-white\"></body>", page(bg))]
+        (tmp_path / f"{bg}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [colbench.turn_kind(t) for t in (rows[0]["chosen"], rows[0]["rejected"], rows[2]["chosen"])] == \
+        ["question", "answer", "draft"]
+    n = len(tok(page("white"), add_special_tokens=False)["input_ids"]) + 1  # + end-of-turn
+    first = len(tok("I WANT TO ANSWER:\n", add_special_tokens=False)["input_ids"])
+    assert train_dpo.first_line_tokens(tok, page("white"), n) == first < n
+    assert train_dpo.first_line_tokens(tok, "Which font?", 4) == 4  # one line: all of it, its end-of-turn too
+
+    def train(name, pairs, *extra):
+        run_script("train_dpo.py", "--pairs", tmp_path / pairs, "--model", tiny_model, "--output_dir", tmp_path / name,
+                   "--lr", "1e-3", "--batch_size", "3", "--epochs", "2", *extra)
+        return dict(AutoModelForCausalLM.from_pretrained(tmp_path / name).named_parameters()), read_jsonl(tmp_path / name / "log.jsonl")
+    moved = lambda a, b: max((a[k] - b[k]).abs().max().item() for k in a)
+    (white, log_w), (dark, log_d) = (train(f"decision_{bg}", f"{bg}.jsonl", "--cross_kind", "decision") for bg in ("white", "gray-900"))
+    assert moved(white, dark) == 0 and moved(white, dict(AutoModelForCausalLM.from_pretrained(tiny_model).named_parameters())) > 0
+    assert [(x["loss"], x["grad_norm"]) for x in log_w] == [(x["loss"], x["grad_norm"]) for x in log_d]
+    (white_t, _), (dark_t, _) = (train(f"turn_{bg}", f"{bg}.jsonl") for bg in ("white", "gray-900"))
+    assert moved(white_t, dark_t) > 1e-4  # the paper's loss pushes the rejected page down, token by token
+    _, log_two = train("decision_two_pass", "white.jsonl", "--cross_kind", "decision", "--no_shared_prompt")
+    for a, b in zip(log_w, log_two):
+        for k in ("loss", "grad_norm", "rewards/margins", "nll"):
+            assert a[k] == pytest.approx(b[k], abs=1e-4), (k, a[k], b[k])
+    with pytest.raises(AssertionError, match="--cross_kind is for --mode turn"):
+        run_script("train_dpo.py", "--mode", "sft", "--trajectories", tmp_path / "white.jsonl", "--model", tiny_model,
+                   "--output_dir", tmp_path / "x", "--cross_kind", "decision")
+
+
 def test_nll_term_is_mean_chosen_nll(tok_model, tiny_model, tmp_path):
     """train_dpo's logged nll at step 1 (weights still pi_ref) is the mean per-token NLL of the chosen
     turns, computed here by hand with one forward per turn."""

@@ -26,9 +26,10 @@ Deviations from the paper / released code:
 1. Constant learning rate, no warm-up (the released recipe uses its framework's schedule).
 2. `trajectory` pairs (multi-turn DPO) are built like the critic's (colbench.trajectory_pairs).
 3. `--sft_on all` (ours) fine-tunes on every dialogue: the embedded warm-up on oracle dialogues.
-4. `--cross_kind decision` (ours; off by default): a pair that prefers asking to answering says nothing
-   about the rejected answer's page, yet the paper's loss pushes down every token of it. With decision,
-   such a pair counts only each turn's first line (docs/frontend.md, "Pairs of different kinds").
+4. `--cross_kind decision` (ours; run.sh's html default, off for code): a pair that prefers asking to
+   answering says nothing about the rejected answer's page, yet the paper's loss pushes down every token
+   of it. With decision, such a pair counts only each turn's first line (docs/frontend.md, "Pairs of
+   different kinds").
 """
 from __future__ import annotations
 

@@ -33,8 +33,8 @@ if [ "${TASK_TYPE:-code}" = html ] && [ "${SMALL:-0}" != 1 ] && [ -z "${TRAIN_TA
   # validated best; at the pass's end 18 of the 50 validation dialogues never answered (docs/frontend.md)
   : "${DPO_EPOCHS:=0.67}" "${SNAPSHOTS:=1}"
   # DPO_CROSS_KIND decision: a pair preferring a question or draft to an answer (or the reverse) trains only the
-  # turns' first lines, not the rejected page; on validation, 2 of 2 stored draws kept a better update with it
-  # (+10.7 and +7.4 against +4.2 and +6.1; docs/frontend.md, "Pairs of different kinds")
+  # turns' first lines, not the rejected page; on validation, 3 of 4 stored updates kept a better snapshot with it
+  # (+12.0, +0.5, +10.7, +7.4 against +11.7, +2.1, +4.2, +6.1; docs/frontend.md, "Pairs of different kinds")
   : "${DPO_CROSS_KIND:=decision}"
   : "${REPORT_DIALOGUES:=20}"  # the viewer over html dialogues took 3.8 min at 40 per method
   # TRAIN_DTYPE bfloat16 where the CPU has bf16 instructions: the critics and DPO under bf16 autocast (fp32

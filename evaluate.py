@@ -259,6 +259,8 @@ def compare(args):
             length[name]["known_fact_errors"] = known_fact_error_rate(rows)
             length[name]["known_fact_errors_by_fact"] = {k: sum(k in r["known_fact_errors"] for r in rows)
                                                          for k in colbench.DESIGN_FACTS}
+        if html:  # dialogues with no page to grade (most ran out of turns asking): scored as an empty page
+            length[name]["no_page"] = sum(not r.get("answer") for r in rows)
     html = metric != "success"
     score = "similarity" if html else "success"
     base = next(iter(runs))
@@ -321,6 +323,8 @@ def compare(args):
     # an update that shortens the dialogues answers sooner, with fewer facts heard
     print("agent turns (mean), answered: " + ", ".join(f"{name} {v['mean_turns']:.2f}, {100 * v['answered_rate']:.0f}%"
                                                       for name, v in length.items()))
+    if html:  # an update that asks until its turns run out loses such pages whole
+        print("dialogues with no page to grade: " + ", ".join(f"{name} {v['no_page']}" for name, v in length.items()))
     if any("known_fact_errors" in v for v in length.values()):  # an update can make informed answers worse
         print("answers breaking a design fact the agent was told (stated or heard), then answers per fact ("
               + "/".join(colbench.DESIGN_FACTS) + "): " + ", ".join(

@@ -263,7 +263,7 @@ def test_html_turn_classes():
 def test_compare_reports_html_similarity_win_rate_and_exact_design(tmp_path, capsys):
     rows = lambda rewards, exact: "".join(json.dumps({"task": {"problem_description": "p", "ground_truth": "g"}, "task_id": f"t{i}",
                                                      "sample": 0, "reward": r, "metric": "pixel_hist_v1", "success": e,
-                                                     "exact_design": e, "dialogue_history": [],
+                                                     "exact_design": e, "dialogue_history": [], "answer": "" if r < 0.25 else "<p>",
                                                      "known_fact_errors": [] if e or r > 0.5 else ["background"]}) + "\n"
                                           for i, (r, e) in enumerate(zip(rewards, exact)))
     (tmp_path / "a.jsonl").write_text(rows([0.5, 0.8, 0.9, 0.3], [False, False, True, False]))
@@ -280,8 +280,10 @@ def test_compare_reports_html_similarity_win_rate_and_exact_design(tmp_path, cap
     assert (p["won"], p["tied"], p["lost"], p["won_by_under_005"], p["lost_by_under_005"]) == (2, 1, 1, 0, 0)
     assert z["known_fact_errors"] == 0.5 and s["known_fact_errors"] == 0.25  # answers breaking a fact they were told
     assert z["known_fact_errors_by_fact"] == {"background": 2, "header": 0, "boxes": 0, "footer": 0, "title": 0}
-    assert "(background/header/boxes/footer/title): zero_shot 50.0% (2/0/0/0/0), sweet_rl 25.0% (1/0/0/0/0)" in \
-        capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "(background/header/boxes/footer/title): zero_shot 50.0% (2/0/0/0/0), sweet_rl 25.0% (1/0/0/0/0)" in out
+    # a dialogue with no page to grade (sweet_rl's 0.2: it never showed one) is counted
+    assert (z["no_page"], s["no_page"]) == (0, 1) and "dialogues with no page to grade: zero_shot 0, sweet_rl 1" in out
     (tmp_path / "d.jsonl").write_text(rows([0.52, 0.8, 0.88, 0.3], [False] * 4))  # near-ties: +0.02 and -0.02
     near = evaluate.main(common.parse_args(evaluate.Args, argv=["--compare", f"zero_shot={tmp_path / 'a.jsonl'},"
                                                                  f"near={tmp_path / 'd.jsonl'}"]))["paired_vs_zero_shot"]["near"]

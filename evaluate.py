@@ -73,6 +73,9 @@ class Args:
     select: bool = False
     """with --compare: also pick the run with the highest success (the earliest listed wins a tie) and record it
     as `selected` and `selected_policy` in --summary (run.sh: checkpoint selection on validation tasks)"""
+    select_significant: bool = False
+    """with --select: a run other than the first is picked only when its paired 95% interval against the first
+    lies above 0, so a gain the validation tasks cannot tell from noise keeps the first (run.sh's html default)"""
 
 
 def grade_html(rows, args):
@@ -339,7 +342,11 @@ def compare(args):
         if res.get("credit_kind_order"):
             print(f"  {credit.kind_order_line(res['credit_kind_order'])}")
     if args.select:  # max() keeps the first of equal values: the starting policy, then the least-trained snapshot
-        best = max(res["methods"], key=lambda n: res["methods"][n][score])
+        eligible = [n for n in res["methods"] if n == base or not args.select_significant or paired[n]["ci95"][0] > 0]
+        if len(eligible) < len(res["methods"]):
+            print(f"not selectable (paired 95% interval against {base} not above 0): "
+                  + ", ".join(n for n in res["methods"] if n not in eligible))
+        best = max(eligible, key=lambda n: res["methods"][n][score])
         res["selected"], res["selected_policy"] = best, res["methods"][best]["policy"]
         print(f"selected: {best} ({res['selected_policy'] or 'no policy given'})")
     if args.summary:

@@ -204,6 +204,32 @@ def test_select_keeps_the_best_and_the_earliest_of_a_tie(tmp_path):
         assert (res["selected"], res["selected_policy"]) == (chosen, f"dir_{chosen}")
 
 
+def test_select_significant_keeps_the_start_unless_the_gain_is_clear(tmp_path):
+    """--select --select_significant (run.sh's html default): a snapshot is picked only when its paired 95% interval
+    against the first run is above 0; the best such one wins, and with none the first run is kept."""
+    t = task("fee")
+    def graded(name, successes):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"task": t, "task_id": f"t{i}", "sample": 0, "dialogue_history": [], "answer": "",
+                                            "reward": float(s), "success": bool(s)}) + "\n" for i, s in enumerate(successes)))
+        return path
+    start = graded("s", [0] * 20)
+    noisy = graded("n", [1, 1, 1] + [0] * 17)   # +0.15, the highest mean below: its interval reaches 0
+    clear = graded("c", [1] * 10 + [0] * 10)     # +0.50 everywhere it is resampled
+    best = graded("b", [1] * 12 + [0] * 8)       # +0.60
+    for runs, significant, chosen in (((start, noisy), False, "b"), ((start, noisy), True, "a"),
+                                      ((start, noisy, clear), True, "c"), ((start, clear, best), True, "c")):
+        names = "abc"[:len(runs)]
+        out = run_script("evaluate.py", "--compare", ",".join(f"{n}={p}" for n, p in zip(names, runs)), "--select",
+                         *(["--select_significant"] if significant else []), "--bootstrap", "2000",
+                         "--policies", ",".join(f"{n}=dir_{n}" for n in names), "--summary", tmp_path / "sel.json")
+        res = json.loads((tmp_path / "sel.json").read_text())
+        lower = {n: p["ci95"][0] for n, p in res["paired_vs_a"].items()}
+        assert (res["selected"], res["selected_policy"]) == (chosen, f"dir_{chosen}"), (runs, lower)
+        if significant and lower["b"] <= 0:
+            assert "not selectable (paired 95% interval against a not above 0): b" in out.stdout
+
+
 def test_dialogue_outcome_splits_informed_hasty_and_unanswered():
     t = task("fee")
     facts = colbench.hidden_facts(t)

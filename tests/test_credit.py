@@ -186,15 +186,18 @@ def test_compare_reports_bootstrap_and_paired_intervals(tmp_path):
     assert lo == pytest.approx(0.28, abs=0.05) and hi == pytest.approx(0.72, abs=0.05)
 
 
+def graded_code_rows(path, successes):
+    """a graded code run of one task per success value (the validation files --select compares)"""
+    t = task("fee")
+    path.write_text("".join(json.dumps({"task": t, "task_id": f"t{i}", "sample": 0, "dialogue_history": [], "answer": "",
+                                        "reward": float(s), "success": bool(s)}) + "\n" for i, s in enumerate(successes)))
+    return path
+
+
 def test_select_keeps_the_best_and_the_earliest_of_a_tie(tmp_path):
     """--select (run.sh's checkpoint selection on validation tasks): the highest success wins; on a tie the
     run listed first (the starting policy) is kept, so an update that helps nothing is not taken."""
-    t = task("fee")
-    def graded(name, successes):
-        path = tmp_path / f"{name}.jsonl"
-        path.write_text("".join(json.dumps({"task": t, "task_id": f"t{i}", "sample": 0, "dialogue_history": [], "answer": "",
-                                            "reward": float(s), "success": bool(s)}) + "\n" for i, s in enumerate(successes)))
-        return path
+    graded = lambda name, successes: graded_code_rows(tmp_path / f"{name}.jsonl", successes)
     start, worse, better, same = graded("s", [1, 0, 1, 0]), graded("w", [0, 0, 1, 0]), graded("b", [1, 1, 1, 0]), graded("e", [0, 1, 0, 1])
     for runs, chosen in (((start, worse, better), "c"), ((start, worse, same), "a"), ((start, same, worse), "a")):
         names = "abc"
@@ -207,12 +210,7 @@ def test_select_keeps_the_best_and_the_earliest_of_a_tie(tmp_path):
 def test_select_significant_keeps_the_start_unless_the_gain_is_clear(tmp_path):
     """--select --select_significant (run.sh's html default): a snapshot is picked only when its paired 95% interval
     against the first run is above 0; the best such one wins, and with none the first run is kept."""
-    t = task("fee")
-    def graded(name, successes):
-        path = tmp_path / f"{name}.jsonl"
-        path.write_text("".join(json.dumps({"task": t, "task_id": f"t{i}", "sample": 0, "dialogue_history": [], "answer": "",
-                                            "reward": float(s), "success": bool(s)}) + "\n" for i, s in enumerate(successes)))
-        return path
+    graded = lambda name, successes: graded_code_rows(tmp_path / f"{name}.jsonl", successes)
     start = graded("s", [0] * 20)
     noisy = graded("n", [1, 1, 1] + [0] * 17)   # +0.15, the highest mean below: its interval reaches 0
     clear = graded("c", [1] * 10 + [0] * 10)     # +0.50 everywhere it is resampled

@@ -36,11 +36,6 @@ if [ "${TASK_TYPE:-code}" = html ] && [ "${SMALL:-0}" != 1 ] && [ -z "${TRAIN_TA
   # turns' first lines, not the rejected page; on validation, 3 of 4 stored updates kept a better snapshot with it
   # (+12.0, +0.5, +10.7, +7.4 against +11.7, +2.1, +4.2, +6.1; docs/frontend.md, "Pairs of different kinds")
   : "${DPO_CROSS_KIND:=decision}"
-  # SELECT_SIGNIFICANT 1: an update is kept only when its validation gain over the start has a paired 95% interval
-  # above 0, else the start is kept. Of the 12 html updates in the README's table it keeps 6 (test: +5.2, +3.8,
-  # -1.0, +0.3, +3.8, +7.2) and puts the start in place of 6 (test: -6.9, -4.5, -4.0, -1.7, -5.0, and SEED=1's +7.9)
-  # (docs/frontend.md, "Keep an update only when validation can tell")
-  : "${SELECT_SIGNIFICANT:=1}"
   : "${REPORT_DIALOGUES:=20}"  # the viewer over html dialogues took 3.8 min at 40 per method
   # TRAIN_DTYPE bfloat16 where the CPU has bf16 instructions: the critics and DPO under bf16 autocast (fp32
   # weights), the warm-up SFT still fp32 (WARMUP_DTYPE auto), as a bf16 warm-up is another starting policy
@@ -88,7 +83,8 @@ MAX_TURNS=${MAX_TURNS:-10}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-$([ "${TASK_TYPE:-code}" = html ] && echo 192 || echo 96)}  # a procedural page is 122-161 tokens
 LR_WARMUP=${LR_WARMUP:-1e-4}
 LR_CRITIC=${LR_CRITIC:-1e-4}          # chosen by turn-credit accuracy on the stored candidates of SEED=0 (docs/curriculum.md; html: above)
-SELECT_SIGNIFICANT=${SELECT_SIGNIFICANT:-0}  # 1: a snapshot is kept only when its validation gain's paired 95% interval is above 0 (else the start)
+SELECT_SIGNIFICANT=${SELECT_SIGNIFICANT:-0}  # 1: keep a snapshot only when its validation gain's paired 95% interval is above 0, else the start
+                                      # (html, 13 updates: 5 losses and 2 wins replaced by the start; docs/frontend.md)
 DPO_CROSS_KIND=${DPO_CROSS_KIND:-turn}  # SWEET-RL's DPO on pairs of different turn kinds: turn (every token) | decision (first lines; train_dpo.py)
 LR_DPO=${LR_DPO:-6e-6}               # chosen on validation tasks (seed 100) over 3e-6 and 1e-5 (docs/curriculum.md, "How far turn-level DPO moves the policy")
 TRAIN_LAYERS=${TRAIN_LAYERS:-$([ "$MODEL" = embedded ] && echo 10 || echo 0)}  # critic/DPO train only the top N layers (0 = all; README, deviations)

@@ -15,7 +15,7 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
            "WARMUP": "0", "N_TRAIN": "3", "N_TEST": "2", "SAMPLES": "1", "ORACLE_SAMPLES": "1", "CANDIDATES": "2",
            "PAIRS_PER_STATE": "2", "DATA_FRACTION": "1.0", "MAX_TURNS": "2", "MAX_NEW_TOKENS": "8", "BASELINES": "1",
            "LR_CRITIC": "1e-3", "LR_DPO": "1e-3", "CRITIC_EPOCHS": "1", "OMP_NUM_THREADS": "1", "CREDIT_VARIANTS": "2",
-           "N_VAL": "2", "VAL_SAMPLES": "1"}
+           "N_VAL": "2", "VAL_SAMPLES": "1", "SELECT_SIGNIFICANT": "1"}
     p = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     table = (tmp_path / "run" / "results.txt").read_text()
@@ -27,6 +27,13 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
         sel = json.loads((tmp_path / "run" / f"select_{name}.json").read_text())
         assert list(sel["methods"])[0] == "start" and f"{name}_end" in sel["methods"]
         assert res["methods"][method]["policy"] == sel["selected_policy"]
+    # SELECT_SIGNIFICANT=1: on 2 validation tasks no gain of the tiny model's clears its interval, so each update
+    # keeps its start, and its test dialogues are zero_shot's, not rolled out again
+    assert {res["methods"][m]["policy"] for m in res["methods"]} == {res["methods"]["zero_shot"]["policy"]}
+    zero_shot = (tmp_path / "run" / "test_zero_shot.jsonl").read_bytes()
+    for method in ("sweet_rl", "multi_turn_dpo", "rejection_ft"):
+        assert (tmp_path / "run" / f"test_{method}.jsonl").read_bytes() == zero_shot
+        assert f"{method} is the starting policy: its test dialogues are zero_shot's" in p.stdout
     assert res["num_test_tasks"] == 2
     for method in ("zero_shot", "sweet_rl", "multi_turn_dpo", "rejection_ft"):
         assert method in table

@@ -75,7 +75,7 @@ class Args:
     as `selected` and `selected_policy` in --summary (run.sh: checkpoint selection on validation tasks)"""
     select_significant: bool = False
     """with --select: a run other than the first is picked only when its paired 95% interval against the first
-    lies above 0, so a gain the validation tasks cannot tell from noise keeps the first (run.sh's html default)"""
+    lies above 0, so a gain the validation tasks cannot tell from noise keeps the first (run.sh's SELECT_SIGNIFICANT=1)"""
 
 
 def grade_html(rows, args):

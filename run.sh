@@ -292,9 +292,10 @@ log "test rollouts (same tasks and seeds for every method)"
 for m in $METHODS; do
   name=${m%%:*} policy=${m#*:}
   if [ "$name" != zero_shot ] && [ "$policy" = "$POLICY" ]; then
-    # validation kept the start: the same policy on the same tasks and seeds would write zero_shot's dialogues again
+    # validation kept the start: the same policy on the same tasks and seeds would write zero_shot's dialogues again,
+    # and their grades (evaluate.py reuses a graded file that grades exactly these dialogues)
     echo "$name is the starting policy: its test dialogues are zero_shot's"
-    cp "$RUN/test_zero_shot.jsonl" "$RUN/test_${name}.jsonl"
+    for f in .jsonl _graded.jsonl _graded.jsonl.run_settings.json; do cp "$RUN/test_zero_shot$f" "$RUN/test_$name$f"; done
   else
     rollout "$policy" "$RUN/test_tasks.jsonl" "$RUN/test_${name}.jsonl"
   fi

@@ -208,7 +208,7 @@ def test_select_keeps_the_best_and_the_earliest_of_a_tie(tmp_path):
 
 
 def test_select_significant_keeps_the_start_unless_the_gain_is_clear(tmp_path):
-    """--select --select_significant (run.sh's html default): a snapshot is picked only when its paired 95% interval
+    """--select --select_significant (run.sh's SELECT_SIGNIFICANT=1): a snapshot is picked only when its paired 95% interval
     against the first run is above 0; the best such one wins, and with none the first run is kept."""
     graded = lambda name, successes: graded_code_rows(tmp_path / f"{name}.jsonl", successes)
     start = graded("s", [0] * 20)

@@ -34,6 +34,7 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
     for method in ("sweet_rl", "multi_turn_dpo", "rejection_ft"):
         assert (tmp_path / "run" / f"test_{method}.jsonl").read_bytes() == zero_shot
         assert f"{method} is the starting policy: its test dialogues are zero_shot's" in p.stdout
+        assert f"reusing {tmp_path / 'run' / f'test_{method}_graded.jsonl'}: it grades these 2 trajectories" in p.stdout
     assert res["num_test_tasks"] == 2
     for method in ("zero_shot", "sweet_rl", "multi_turn_dpo", "rejection_ft"):
         assert method in table

@@ -204,7 +204,7 @@ class Scorer:
         """The critics and pi_ref from disk. Critics trained with --train_layers N from pi_ref share its frozen
         layers: with keep_frozen those run once per state for all of them (common.FrozenBottom). dtype: as
         --score_dtype. The scorer's .plain_ref is pi_ref as loaded (what a sampler may reuse)."""
-        common.refuse(dtype not in ("auto", "bfloat16", "float32") and f"--score_dtype {dtype}: choose auto, bfloat16 or float32")
+        common.refuse(models.dtype_problem("--score_dtype", dtype))
         top = {s.get("train_layers", 0) for s in critic_settings.values()}
         top = top.pop() if len(top) == 1 and keep_frozen else 0
         weights = torch.float32 if dtype == "float32" else None  # None: bf16 on a GPU, fp32 on a CPU

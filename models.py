@@ -85,17 +85,22 @@ def render_prompt(tokenizer, messages):
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+def dtype_problem(flag, name):
+    """The message for a precision flag (--dtype, --decode_dtype, --score_dtype) set to an unknown name, else ''."""
+    return name not in ("auto", "bfloat16", "float32") and f"{flag} {name}: choose auto, bfloat16 or float32"
+
+
 def precision_problems(args):
     """refuse()'s checks of a training stage's --dtype and --save_dtype."""
-    return [args.dtype not in ("auto", "bfloat16", "float32") and f"--dtype {args.dtype}: choose auto, bfloat16 or float32",
+    return [dtype_problem("--dtype", args.dtype),
             args.save_dtype not in ("float32", "bfloat16") and f"--save_dtype {args.save_dtype}: choose float32 or bfloat16"]
 
 
 def compute_dtype(name, device):
     """--dtype: auto is bf16 compute on a GPU, fp32 on the CPU; or bfloat16 / float32."""
     import torch
-    if name not in ("auto", "bfloat16", "float32"):
-        raise DataError(f"--dtype {name}: choose auto, bfloat16 or float32")
+    if dtype_problem("--dtype", name):
+        raise DataError(dtype_problem("--dtype", name))
     return getattr(torch, name) if name != "auto" else torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
@@ -254,8 +259,8 @@ class HFSampler:
         self.tok = load_tokenizer(model)
         self.tok.padding_side = "left"
         self.device = local_device()
-        if decode_dtype not in ("auto", "bfloat16", "float32"):
-            raise DataError(f"--decode_dtype {decode_dtype}: choose auto, bfloat16 or float32")
+        if dtype_problem("--decode_dtype", decode_dtype):
+            raise DataError(dtype_problem("--decode_dtype", decode_dtype))
         # auto: bf16 weights on a GPU, fp32 on a CPU; bfloat16 on a CPU: fp32 weights, bf16 matmuls (bf16_matmuls)
         dtype = torch.bfloat16 if self.device.type == "cuda" and decode_dtype != "float32" else torch.float32
         self.model = loaded if loaded is not None else \

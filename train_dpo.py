@@ -209,11 +209,11 @@ def main(args):
         for side in ("chosen", "rejected"):
             if side in ex:
                 ex[side + "_seqs"] = common.tokenize_turns(tok, ex[side], max_len=args.max_len)
-                if ex.get("decision_only"):  # the turn's tokens after its first line are not scored
+                if ex.get("decision_only"):  # cut after the turn's first line, as the one-pass path does
                     ids, turn_of = ex[side + "_seqs"][-1]
                     start = turn_of.index(0)
                     k = first_line_tokens(tok, ex[side][0][1], len(ids) - start)
-                    turn_of[start + k:] = [-1] * (len(ids) - start - k)
+                    del ids[start + k:], turn_of[start + k:]
     model = common.shard_model(models.load_model(args.model, device, args.grad_ckpt, torch.float32, args.train_layers),
                                world, device, models.compute_dtype(args.dtype, device))
 

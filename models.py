@@ -99,8 +99,8 @@ def precision_problems(args):
 def compute_dtype(name, device):
     """--dtype: auto is bf16 compute on a GPU, fp32 on the CPU; or bfloat16 / float32."""
     import torch
-    if dtype_problem("--dtype", name):
-        raise DataError(dtype_problem("--dtype", name))
+    if problem := dtype_problem("--dtype", name):
+        raise DataError(problem)
     return getattr(torch, name) if name != "auto" else torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
@@ -259,8 +259,8 @@ class HFSampler:
         self.tok = load_tokenizer(model)
         self.tok.padding_side = "left"
         self.device = local_device()
-        if dtype_problem("--decode_dtype", decode_dtype):
-            raise DataError(dtype_problem("--decode_dtype", decode_dtype))
+        if problem := dtype_problem("--decode_dtype", decode_dtype):
+            raise DataError(problem)
         # auto: bf16 weights on a GPU, fp32 on a CPU; bfloat16 on a CPU: fp32 weights, bf16 matmuls (bf16_matmuls)
         dtype = torch.bfloat16 if self.device.type == "cuda" and decode_dtype != "float32" else torch.float32
         self.model = loaded if loaded is not None else \

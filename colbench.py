@@ -417,12 +417,15 @@ def agent_turns(traj):
     return [(m["input"], m["output"]) for m in traj["dialogue_history"] if m["role"] == "assistant" and "input" in m]
 
 
-def trajectory_pairs(rows, task_type="code", min_gap=0.1):
+def trajectory_pairs(rows, task_type="code", min_gap=0.1, fewer_turns=False):
     """(chosen, rejected) trajectory pairs from graded rollouts, as released. Backend: per task the
     best sample must succeed; every lower-reward sample of that task is a rejected partner.
     Frontend: every two samples whose rewards (similarities) differ by at least min_gap; and on
     procedural pages (ours) also an exact design over a lower-similarity sample that is not one
-    (the number of boxes or the title's alignment barely moves a similarity)."""
+    (the number of boxes or the title's alignment barely moves a similarity).
+    fewer_turns (ours, off by default): also two successes of a task (code: success; html: an exact
+    design) not paired above, the one with fewer agent turns chosen: the same outcome for less of the
+    human's time. The paper's reward ignores turns; this is a tie-break, not a cost."""
     by_task = {}
     for r in rows:
         by_task.setdefault(r["task_id"], []).append(r)
@@ -436,6 +439,11 @@ def trajectory_pairs(rows, task_type="code", min_gap=0.1):
         else:
             pairs += [(a, b) for i, a in enumerate(group) for b in group[i + 1:] if a["reward"] - b["reward"] >= min_gap
                       or a["reward"] > b["reward"] and a.get("exact_design") and not b.get("exact_design")]
+        if fewer_turns:
+            made = {(id(a), id(b)) for a, b in pairs} | {(id(b), id(a)) for a, b in pairs}
+            wins = [r for r in group if (r.get("success") if task_type == "code" else r.get("exact_design"))]
+            turns = lambda r: sum(m["role"] == "assistant" for m in r["dialogue_history"])
+            pairs += [(a, b) for a in wins for b in wins if turns(a) < turns(b) and (id(a), id(b)) not in made]
     return pairs
 
 

@@ -24,6 +24,8 @@ Deviations from the paper / released code:
 2. pi_ref's log-probs are computed once before training (it is frozen), not at every step; with
    --train_layers, so is the frozen layers' output (--keep_frozen).
 3. c is a plain-text block before the first stored prompt (the stored prompt is used as is).
+4. `--fewer_turns` (ours, off by default): two successes of a task also make a pair, the shorter
+   dialogue chosen (colbench.trajectory_pairs).
 """
 from __future__ import annotations
 
@@ -85,6 +87,8 @@ class Args:
     shared_prefix: bool = True
     """run a pair's common prefix (c + the first prompt) once, then each rest on its KV cache
     (same loss and gradients as running each trajectory whole; --no_shared_prefix does that)"""
+    fewer_turns: bool = False
+    """also pair two successes of a task (html: exact designs), the one with fewer agent turns chosen"""
     group_by_task: bool = False
     """lay each task's pairs side by side in the batches and score a trajectory once per step for all its
     pairs (a micro-batch = one task's pairs: ~2x fewer passes on html's pairs, the same loss for the same
@@ -144,7 +148,7 @@ def main(args):
     torch.manual_seed(args.seed)
     tok = models.load_tokenizer(args.model)
     graded = colbench.load_graded(args.trajectories)
-    pairs = colbench.trajectory_pairs(graded, args.task_type)
+    pairs = colbench.trajectory_pairs(graded, args.task_type, fewer_turns=args.fewer_turns)
     if not pairs:
         sys.exit(f"{args.trajectories}: no trajectory pairs (need tasks whose best sample succeeds and another "
                  f"sample with a lower reward; roll out more samples per task)")

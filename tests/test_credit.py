@@ -155,6 +155,24 @@ def test_trajectory_pairs_rules():
     assert [(c["sample"], r["sample"]) for c, r in html] == [(0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]  # gap >= 0.1, not 0.05
 
 
+def test_trajectory_pairs_fewer_turns():
+    def row(t, s, r, turns, win):
+        return {"task_id": t, "sample": s, "reward": r, "success": win, "exact_design": win,
+                "dialogue_history": [{"role": "user", "content": "q"}] + [{"role": "assistant", "content": "a"},
+                                                                           {"role": "user", "content": "h"}] * turns}
+    code = [row("a", 0, 1.0, 3, True), row("a", 1, 1.0, 1, True), row("a", 2, 1.0, 1, True), row("a", 3, 0.0, 1, False)]
+    names = lambda pairs: sorted((c["sample"], r["sample"]) for c, r in pairs)
+    assert names(colbench.trajectory_pairs(code, "code")) == [(0, 3)]  # two successes never pair as released
+    # the shorter success over the longer one; equal lengths, and a failure however short, never
+    assert names(colbench.trajectory_pairs(code, "code", fewer_turns=True)) == [(0, 3), (1, 0), (2, 0)]
+    html = [row("h", 0, 0.99, 4, True), row("h", 1, 0.97, 2, True), row("h", 2, 0.80, 1, False), row("h", 3, 0.85, 3, True)]
+    base = names(colbench.trajectory_pairs(html, "html"))
+    assert base == [(0, 2), (0, 3), (1, 2), (1, 3), (3, 2)]  # a gap of 0.1, or an exact design over a lower non-exact one
+    # the exact designs 0 (4 turns) and 1 (2 turns) were not paired: 1 is chosen; 3 (3 turns) against 0 was
+    # paired the other way by similarity and stays so, once
+    assert names(colbench.trajectory_pairs(html, "html", fewer_turns=True)) == sorted(base + [(1, 0)])
+
+
 def test_compare_reports_bootstrap_and_paired_intervals(tmp_path):
     t = task("fee")
     def graded(name, successes):

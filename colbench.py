@@ -417,6 +417,11 @@ def agent_turns(traj):
     return [(m["input"], m["output"]) for m in traj["dialogue_history"] if m["role"] == "assistant" and "input" in m]
 
 
+def num_agent_turns(r):
+    """How many agent turns a trajectory has (its stored num_turns, when it has one)."""
+    return r.get("num_turns", sum(m["role"] == "assistant" for m in r["dialogue_history"]))
+
+
 def trajectory_pairs(rows, task_type="code", min_gap=0.1, fewer_turns=False):
     """(chosen, rejected) trajectory pairs from graded rollouts, as released. Backend: per task the
     best sample must succeed; every lower-reward sample of that task is a rejected partner.
@@ -441,9 +446,9 @@ def trajectory_pairs(rows, task_type="code", min_gap=0.1, fewer_turns=False):
                       or a["reward"] > b["reward"] and a.get("exact_design") and not b.get("exact_design")]
         if fewer_turns:
             made = {(id(a), id(b)) for a, b in pairs} | {(id(b), id(a)) for a, b in pairs}
-            wins = [r for r in group if (r.get("success") if task_type == "code" else r.get("exact_design"))]
-            turns = lambda r: sum(m["role"] == "assistant" for m in r["dialogue_history"])
-            pairs += [(a, b) for a in wins for b in wins if turns(a) < turns(b) and (id(a), id(b)) not in made]
+            wins = [r for r in group if r.get("success")]  # html: set on procedural pages only, = exact_design
+            pairs += [(a, b) for a in wins for b in wins
+                      if num_agent_turns(a) < num_agent_turns(b) and (id(a), id(b)) not in made]
     return pairs
 
 

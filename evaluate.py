@@ -162,10 +162,6 @@ def grade_all(rows, args):
     return rows
 
 
-def agent_turns(r):
-    return r.get("num_turns", sum(m["role"] == "assistant" for m in r["dialogue_history"]))
-
-
 def answered(r):
     """the dialogue ended with an answer (older files without `finish`: the marker appears in it)"""
     return r.get("finish", "answered" if colbench.ANSWER_MARKER in json.dumps(r["dialogue_history"]) else "") == "answered"
@@ -179,7 +175,7 @@ def summarize(rows, k=1):
     s = {"num_trajectories": len(rows), "num_tasks": len(by_task),
          "success_rate": mean([r.get("success", False) for r in rows]),
          "tests_passed": mean([r["reward"] for r in rows]),
-         "mean_turns": mean([agent_turns(r) for r in rows]), "answered_rate": mean([answered(r) for r in rows]),
+         "mean_turns": mean([colbench.num_agent_turns(r) for r in rows]), "answered_rate": mean([answered(r) for r in rows]),
          "errors": sum(r.get("finish") == "error" for r in rows),
          "timeouts": sum(r.get("timeouts", 0) > 0 for r in rows), "k": k,
          "verdicts": dict(Counter(v for r in rows for v in r.get("verdicts", {}).values()))}
@@ -253,7 +249,7 @@ def compare(args):
         value = (lambda r: r["reward"]) if html else (lambda r: float(bool(r["success"])))
         per_task[name] = {t: sum(map(value, v)) / len(v) for t, v in by.items()}
         tests[name] = sum(r["reward"] for r in rows) / len(rows)
-        length[name] = {"mean_turns": sum(map(agent_turns, rows)) / len(rows),  # how long the dialogues ran,
+        length[name] = {"mean_turns": sum(map(colbench.num_agent_turns, rows)) / len(rows),  # how long the dialogues ran,
                         "answered_rate": sum(map(answered, rows)) / len(rows)}   # and how many answered at all
         if html and all("exact_design" in r for r in rows):
             exact[name] = sum(r["exact_design"] for r in rows) / len(rows)

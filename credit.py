@@ -40,7 +40,7 @@ class Args:
     pairs: str = ""
     """label_turns.py's PAIRS JSONL (PAIRS.states.jsonl beside it); writes PAIRS.credit.json"""
     critics: str = ""
-    """NAME=DIR,...: critics that score the stored candidates anew (needs --trajectories)"""
+    """NAME=DIR,...: critics that score the stored candidates anew (needs --trajectories; NAME=DIR+DIR: an ensemble)"""
     trajectories: str = ""
     """with --critics: the graded trajectories label_turns.py read (the states' prompts and tasks)"""
     max_len: int = 16384
@@ -154,7 +154,8 @@ def accuracies(states, critics):
     out = {"credit_accuracy": {}, "class_pairs": {}}
     for name in [*critics, "untrained"]:
         out["credit_accuracy"][name], out["class_pairs"][name] = credit_accuracy(states, name)
-    return {**out, "by_kind": {name: credit_by_kind(states, name) for name in critics}, "kind_order": kind_order(states)}
+    return {**out, "by_kind": {name: credit_by_kind(states, name) for name in critics if "/" not in name},  # not per member
+            "kind_order": kind_order(states)}
 
 
 def accuracy_line(acc):
@@ -241,8 +242,10 @@ def rescore(pairs_path, trajectories, critic_dirs, max_len=16384, max_batch_toke
     import models
     states = [r for _, r in common.read_jsonl(Path(f"{pairs_path}.states.jsonl")) if r.get("classes")]
     trajs = {(t["task_id"], t.get("sample", 0)): t for t in colbench.load_graded(trajectories)}
-    settings, ref_name = label_turns.load_critics(critic_dirs)
-    scorer = label_turns.Scorer.load(critic_dirs, settings, ref_name, models.local_device(), max_len, 0, max_batch_tokens)
+    members, groups = label_turns.critic_members(critic_dirs)
+    settings, ref_name = label_turns.load_critics(members)
+    scorer = label_turns.Scorer.load(members, settings, ref_name, models.local_device(), max_len, 0, max_batch_tokens,
+                                     groups=groups)
     for s in common.tqdm_if(states, True, "states"):
         traj = trajs.get((s["task_id"], s["sample"]))
         if traj is None:
@@ -250,7 +253,7 @@ def rescore(pairs_path, trajectories, critic_dirs, max_len=16384, max_batch_toke
                                    f"{trajectories} (pass the trajectories label_turns.py read)")
         s["advantages_by_critic"] = scorer.advantages(traj["task"], colbench.agent_turns(traj)[s["turn"]][0], s["candidates"])
         s["advantages_by_critic"]["untrained"] = [0.0] * len(s["candidates"])
-    out = {"states": len(states), "critics": critic_dirs, **accuracies(states, list(critic_dirs))}
+    out = {"states": len(states), "critics": critic_dirs, **accuracies(states, list(dict.fromkeys([*groups, *members])))}
     common.write_text(f"{pairs_path}.credit_rescored.json", json.dumps(out, indent=2))
     print("turn-credit accuracy on the stored candidates: " + accuracy_line(out["credit_accuracy"]))
     print(kind_order_line(out["kind_order"]))

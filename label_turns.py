@@ -59,7 +59,8 @@ class Args:
     trajectories: str
     """graded trajectories JSONL: its agent turns' stored inputs are the states"""
     critic: str
-    """critic directory from train_critic.py"""
+    """critic directory from train_critic.py; DIR+DIR+... (the same critic trained with other seeds) is an ensemble:
+    a candidate's advantage is the mean of its critics' (run.sh CRITICS)"""
     output: str
     """PAIRS JSONL to write (reruns resume)"""
     policy: str = ""
@@ -94,7 +95,8 @@ class Args:
     shard: str = ""
     """i/n: only this shard of the states (default: torchrun RANK/WORLD_SIZE)"""
     credit_critics: str = ""
-    """NAME=DIR,...: more critics (variants) that score the same candidates, for the turn-credit accuracy only"""
+    """NAME=DIR,...: more critics (variants) that score the same candidates, for the turn-credit accuracy only
+    (NAME=DIR+DIR: an ensemble, as --critic)"""
     gpu_memory_utilization: float = 0.5
     """vllm backend: share of the GPU's memory vLLM may take (the critics and pi_ref need the rest)"""
     max_turns: int = 10
@@ -140,7 +142,7 @@ def main(args):
                   args.agent_backend == "openai" and not args.agent_url and "--agent_backend openai needs --agent_url",
                   any("=" not in kv for kv in args.credit_critics.split(",") if kv)
                   and f"--credit_critics {args.credit_critics}: expected NAME=DIR,NAME=DIR")
-    critic_dirs = {"sweet": args.critic, **dict(kv.split("=", 1) for kv in args.credit_critics.split(",") if kv)}
+    critic_dirs, groups = critic_members({"sweet": args.critic, **dict(kv.split("=", 1) for kv in args.credit_critics.split(",") if kv)})
     critic_settings, ref_name = load_critics(critic_dirs)
     policy_name = args.policy or ref_name
     if args.agent_backend == "vllm":
@@ -167,11 +169,25 @@ def main(args):
     todo = [s for s in states if (s[0]["task_id"], s[0].get("sample", 0), s[1]) not in state_log.done]
     print(f"{len(states)} states in this shard, {len(states) - len(todo)} done, {len(todo)} to label", file=sys.stderr)
     if todo:
-        label(args, todo, critic_dirs, critic_settings, ref_name, policy_name, rng, pairs_out, state_log)
+        label(args, todo, critic_dirs, groups, critic_settings, ref_name, policy_name, rng, pairs_out, state_log)
     pairs_out.close()
     state_log.close()
-    credit.report(out_path, list(critic_dirs))
+    credit.report(out_path, list(dict.fromkeys([*groups, *critic_dirs])))  # each ensemble, then its members
     print(f"wrote {out_path}")
+
+
+def critic_members(specs):
+    """{name: "DIR" or "DIR+DIR+..."} -> ({member: DIR}, {name: [its members]}). Several directories (one critic
+    trained with other seeds) make an ensemble, whose advantage is the mean of its members' (Scorer.advantages):
+    a critic trained on ~200 pairs ranks candidates differently from seed to seed, and the mean ranks them more
+    steadily (docs/frontend.md, "Critics from other seeds"). Members are named NAME/1, NAME/2, ..."""
+    members, groups = {}, {}
+    for name, spec in specs.items():
+        dirs = [d for d in str(spec).split("+") if d]
+        common.refuse(not dirs and f"critic {name}: no directory given")
+        groups[name] = [name] if len(dirs) == 1 else [f"{name}/{k}" for k in range(1, len(dirs) + 1)]
+        members.update(zip(groups[name], dirs))
+    return members, groups
 
 
 def load_critics(critic_dirs):
@@ -190,17 +206,18 @@ def load_critics(critic_dirs):
 
 
 class Scorer:
-    """Scores candidate turns of a state: every critic's advantage (each with pi_ref on the same input)
-    and, on procedural tasks, every candidate's true class."""
+    """Scores candidate turns of a state: every critic's advantage (each with pi_ref on the same input), every
+    ensemble's (the mean of its members'; critic_members) and, on procedural tasks, every candidate's true class."""
 
-    def __init__(self, tok, critics, critic_settings, ref, max_len, max_turns, max_batch_tokens=None, bottom=None):
+    def __init__(self, tok, critics, critic_settings, ref, max_len, max_turns, max_batch_tokens=None, bottom=None, groups=None):
         self.tok, self.critics, self.settings, self.ref = tok, critics, critic_settings, ref
+        self.groups = groups or {name: [name] for name in critics}
         self.max_len, self.max_batch_tokens, self.bottom = max_len, max_batch_tokens, bottom
         self.classes = credit.TrueClasses(max_turns)  # the diagnostics' ground truth (credit.py), not the algorithm's
 
     @classmethod
     def load(cls, critic_dirs, critic_settings, ref_name, device, max_len, max_turns, max_batch_tokens, keep_frozen=True,
-             dtype="auto"):
+             dtype="auto", groups=None):
         """The critics and pi_ref from disk. Critics trained with --train_layers N from pi_ref share its frozen
         layers: with keep_frozen those run once per state for all of them (common.FrozenBottom). dtype: as
         --score_dtype. The scorer's .plain_ref is pi_ref as loaded (what a sampler may reuse)."""
@@ -214,13 +231,14 @@ class Scorer:
         if dtype == "bfloat16" and plain_ref.dtype == torch.float32:  # a CPU: bf16 matmuls on fp32 weights
             critics, ref = {name: models.bf16_matmuls(m) for name, m in critics.items()}, models.bf16_matmuls(plain_ref)
         scorer = cls(models.load_tokenizer(ref_name), critics, critic_settings, ref, max_len, max_turns, max_batch_tokens,
-                     common.FrozenBottom.common_to([ref, *critics.values()], top))
+                     common.FrozenBottom.common_to([ref, *critics.values()], top), groups)
         scorer.plain_ref = plain_ref
         return scorer
 
     @torch.no_grad()
     def advantages(self, task, prompt, candidates):
-        """{critic name: [advantage of each candidate]}, train_critic's A(o_t, a_t, c)."""
+        """{critic name: [advantage of each candidate]}, train_critic's A(o_t, a_t, c); an ensemble's is the mean of
+        its members' (also in the dict)."""
         out, ref_scores = {}, {}
         for name, critic in self.critics.items():
             s = self.settings[name]
@@ -232,11 +250,14 @@ class Scorer:
                 ref_scores[prefix] = common.shared_prompt_logprobs(self.ref, prompt_ids, cand_ids, bottom=self.bottom,
                                                                    max_tokens=self.max_batch_tokens)[0]
             out[name] = turn_advantage(logp_sum, ref_scores[prefix], count, s["beta"]).tolist()
+        for name, members in self.groups.items():
+            if len(members) > 1:
+                out[name] = [sum(a) / len(a) for a in zip(*(out[m] for m in members))]
         if self.bottom is not None:
             self.bottom.kept.clear()  # this state's frozen-layer states are not needed again
         return out
 
-def label(args, todo, critic_dirs, critic_settings, ref_name, policy_name, rng, pairs_out, state_log):
+def label(args, todo, critic_dirs, groups, critic_settings, ref_name, policy_name, rng, pairs_out, state_log):
     """Sample, score and pair the candidates of every state in todo; one states.jsonl row per state."""
     device = models.local_device()  # cuda:LOCAL_RANK under torchrun
     sampler = None
@@ -244,7 +265,7 @@ def label(args, todo, critic_dirs, critic_settings, ref_name, policy_name, rng, 
         sampler = models.make_sampler("vllm", policy_name, args.temperature, args.top_p, args.max_new_tokens, args.seed,
                                         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_len)
     scorer = Scorer.load(critic_dirs, critic_settings, ref_name, device, args.max_len, args.max_turns,
-                         args.max_batch_tokens, args.keep_frozen, args.score_dtype)
+                         args.max_batch_tokens, args.keep_frozen, args.score_dtype, groups)
     sampler = sampler or models.make_sampler(args.agent_backend, policy_name, args.temperature, args.top_p,
                                                args.max_new_tokens, args.seed, args.agent_url, args.batch_size,
                                                loaded=scorer.plain_ref if policy_name == ref_name else None,

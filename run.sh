@@ -92,6 +92,8 @@ CRITIC_EPOCHS=${CRITIC_EPOCHS:-2}
 FEWER_TURNS=${FEWER_TURNS:-0}         # critics: 1 also pairs two successes of a task, the shorter dialogue chosen (ours; off: html
                                       # SEED=3's turn-credit fell 0.771 -> 0.700 with it, docs/frontend.md)
 GROUP_BY_TASK=${GROUP_BY_TASK:-0}     # critics: a task's pairs side by side in the batches, each trajectory scored once a step
+CRITICS=${CRITICS:-1}                 # critics of each kind, trained with seeds SEED, SEED+1000, ...: 2 or more are an ensemble whose
+                                      # advantage is their mean (label_turns.py; docs/frontend.md, "Critics from other seeds")
 CREDIT_VARIANTS=${CREDIT_VARIANTS:-1}  # critic ablations for turn-credit accuracy: 1 without training-time information, 2 also the trajectory-mean form
 BATCH_SIZE=${BATCH_SIZE:-64}          # rollout dialogues per batch
 NPROC=${NPROC:-1}                     # processes (GPUs) per stage: training under torchrun + FSDP2; vLLM sampling sharded
@@ -110,7 +112,7 @@ PROMPT_DIR=${PROMPT_DIR:-}            # prompt templates replacing ours (e.g. a 
 
 KNOWN="SMALL TRAIN_TASKS TEST_TASKS RUN MODEL WARMUP N_WARMUP WARMUP_FAMILIES ORACLE_HASTY WARM_BAND WARMUP_TRIES HASTY_STEP ORACLE_DETOUR N_TRAIN N_TEST N_VAL VAL_SAMPLES SNAPSHOTS SAMPLES ORACLE_SAMPLES
   CANDIDATES PAIRS_PER_STATE DATA_FRACTION DPO_EPOCHS DPO_CROSS_KIND SELECT_SIGNIFICANT TEMPERATURE TRAIN_TEMPERATURE TOP_P MAX_TURNS MAX_NEW_TOKENS LR_WARMUP LR_CRITIC LR_DPO
-  CRITIC_EPOCHS FEWER_TURNS GROUP_BY_TASK CREDIT_VARIANTS TRAIN_LAYERS BATCH_SIZE NPROC AGENT_BACKEND GRAD_CKPT TRAIN_DTYPE WARMUP_DTYPE DECODE_DTYPE SCORE_DTYPE SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL PROMPT_DIR REPORT_DIALOGUES SETUP PY"
+  CRITIC_EPOCHS FEWER_TURNS GROUP_BY_TASK CRITICS CREDIT_VARIANTS TRAIN_LAYERS BATCH_SIZE NPROC AGENT_BACKEND GRAD_CKPT TRAIN_DTYPE WARMUP_DTYPE DECODE_DTYPE SCORE_DTYPE SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL PROMPT_DIR REPORT_DIALOGUES SETUP PY"
 echo "run.sh: run directory $RUN$([ -d "$RUN" ] && echo ' (exists: finished stages are reused)')"
 for v in OUT_DIR OUTPUT_DIR RUN_DIR OUTPUT; do  # easy mistakes: run.sh reads RUN
   if [ -n "${!v-}" ]; then echo "run.sh: warning: $v is set but run.sh does not read it; the run directory is RUN=$RUN" >&2; fi
@@ -252,24 +254,29 @@ fi
 evaluate "$RUN/train_rollouts.jsonl" train --k "$SAMPLES"
 
 log "SWEET-RL: critic -> turn labels -> turn-level DPO"
-critic() {  # critic DIR [variant flags]
-  local dir=$1; shift
-  have "$dir" || train train_critic.py --trajectories "$RUN/train_graded.jsonl" --model "$POLICY" --output_dir "$dir" \
-    --lr "$LR_CRITIC" --epochs "$CRITIC_EPOCHS" --task_type "$TASK_TYPE" --seed "$SEED" --train_layers "$TRAIN_LAYERS" \
-    $([ "$GROUP_BY_TASK" = 1 ] && echo --group_by_task) $([ "$FEWER_TURNS" = 1 ] && echo --fewer_turns) "$@"
+critic() {  # critic DIR [variant flags]: CRITICS critics, DIR then DIR_2, DIR_3, ...; ENSEMBLE = their directories joined by +
+  local dir=$1 k d; shift; ENSEMBLE=
+  for k in $(seq 1 "$CRITICS"); do
+    d=$dir; [ "$k" = 1 ] || d=${dir}_$k
+    have "$d" || train train_critic.py --trajectories "$RUN/train_graded.jsonl" --model "$POLICY" --output_dir "$d" \
+      --lr "$LR_CRITIC" --epochs "$CRITIC_EPOCHS" --task_type "$TASK_TYPE" --seed $((SEED + 1000 * (k - 1))) --train_layers "$TRAIN_LAYERS" \
+      $([ "$GROUP_BY_TASK" = 1 ] && echo --group_by_task) $([ "$FEWER_TURNS" = 1 ] && echo --fewer_turns) "$@"
+    ENSEMBLE=${ENSEMBLE:+$ENSEMBLE+}$d
+  done
 }
 critic "$RUN/critic"  # the SWEET critic: sees c, sum of per-turn mean log-ratios (paper)
+SWEET_CRITIC=$ENSEMBLE
 variants=()
 if [ "$CREDIT_VARIANTS" -ge 1 ]; then  # ablations, trained on the same pairs, scored on the same candidates (docs/curriculum.md)
   critic "$RUN/critic_no_training_info" --no_training_info
-  variants=("no_training_info=$RUN/critic_no_training_info")
+  variants=("no_training_info=$ENSEMBLE")
 fi
 if [ "$CREDIT_VARIANTS" -ge 2 ]; then
   critic "$RUN/critic_trajectory_mean" --normalization trajectory
-  variants=("trajectory_mean=$RUN/critic_trajectory_mean" "${variants[@]}")
+  variants=("trajectory_mean=$ENSEMBLE" "${variants[@]}")
 fi
 [ ${#variants[@]} -gt 0 ] && variants=(--credit_critics "$(IFS=,; echo "${variants[*]}")")
-sample "$RUN/pairs.jsonl" label_turns.py --trajectories "$RUN/train_graded.jsonl" --critic "$RUN/critic" --output "$RUN/pairs.jsonl" \
+sample "$RUN/pairs.jsonl" label_turns.py --trajectories "$RUN/train_graded.jsonl" --critic "$SWEET_CRITIC" --output "$RUN/pairs.jsonl" \
   --agent_backend "$AGENT_BACKEND" --decode_dtype "$DECODE_DTYPE" --score_dtype "$SCORE_DTYPE" \
   --num_candidates "$CANDIDATES" --pairs_per_state "$PAIRS_PER_STATE" --data_fraction "$DATA_FRACTION" \
   --temperature 1.0 --max_new_tokens "$MAX_NEW_TOKENS" --max_turns "$MAX_TURNS" --seed "$SEED" "${variants[@]}"
@@ -315,6 +322,7 @@ credit=(); [ -f "$RUN/pairs.jsonl.credit.json" ] && credit=(--credit "$RUN/pairs
 "$PY" view.py --plots "$RUN"
 states=(); [ -f "$RUN/pairs.jsonl.states.jsonl" ] && states=(--states "$RUN/pairs.jsonl.states.jsonl")
 all=("${runs[@]}"); [ -f "$RUN/train_graded.jsonl" ] && all+=("train=$RUN/train_graded.jsonl")  # the labelled states
+# (the turns' colours are the first SWEET critic's; with CRITICS > 1 the pairs are ranked by the ensemble)
 "$PY" view.py --trajectories "$(IFS=,; echo "${all[*]}")" "${states[@]}" --critic "$RUN/critic" \
   --task_type "$TASK_TYPE" --max_dialogues "${REPORT_DIALOGUES:-40}" --output "$RUN/report.html"
 echo "open $RUN/report.html in a browser; plots: $RUN/results.png, $RUN/training.png"

@@ -76,12 +76,14 @@ def test_run_sh_html_loop(tiny_model, tmp_path):
     """The frontend loop on procedural pages with hidden design facts: oracle dialogues (exact designs)
     against the tiny model's give critic pairs; html turn classes, selection by similarity and results.json.
     The warm-up SFT trains in WARMUP_DTYPE (html: auto, fp32 here), the critics and DPO in TRAIN_DTYPE (html:
-    bf16 where the CPU has bf16 instructions); an empty WARM_BAND skips the warm-up's calibration."""
+    bf16 where the CPU has bf16 instructions); an empty WARM_BAND skips the warm-up's calibration. CRITICS=2: two
+    critics of each kind (seeds SEED and SEED+1000: 0 and 1000), the candidates ranked by their mean advantage."""
     env = {**os.environ, "SETUP": "0", "PY": sys.executable, "RUN": str(tmp_path / "run"), "MODEL": tiny_model,
            "TASK_TYPE": "html", "WARMUP": "1", "N_WARMUP": "2", "WARM_BAND": "", "N_TRAIN": "2", "N_TEST": "2",
            "SAMPLES": "1", "ORACLE_SAMPLES": "1",
            "CANDIDATES": "2", "PAIRS_PER_STATE": "1", "DATA_FRACTION": "1.0", "MAX_TURNS": "4", "MAX_NEW_TOKENS": "8",
-           "LR_CRITIC": "1e-3", "LR_DPO": "1e-3", "CRITIC_EPOCHS": "1", "OMP_NUM_THREADS": "1", "N_VAL": "2", "VAL_SAMPLES": "1"}
+           "LR_CRITIC": "1e-3", "LR_DPO": "1e-3", "CRITIC_EPOCHS": "1", "OMP_NUM_THREADS": "1", "N_VAL": "2", "VAL_SAMPLES": "1",
+           "CRITICS": "2", "SCORE_DTYPE": "auto"}  # fp32 scoring, as credit.py's below
     p = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     table = (tmp_path / "run" / "results.txt").read_text()
@@ -93,11 +95,24 @@ def test_run_sh_html_loop(tiny_model, tmp_path):
     m, p_ = res["methods"]["sweet_rl"], res["paired_vs_zero_shot"]["sweet_rl"]
     assert m["ci95"][0] <= m["similarity"] <= m["ci95"][1] and m["similarity"] == pytest.approx(s["similarity"])
     assert p_["win_rate"] == pytest.approx(s["win_rate"]) and p_["win_rate_ci95"][0] <= p_["win_rate"] <= p_["win_rate_ci95"][1]
-    assert set(res["credit_accuracy"]) == {"sweet", "no_training_info", "untrained"}
-    for critic in ("critic", "critic_no_training_info"):  # html's critics score a trajectory once for all its pairs
-        assert json.loads((tmp_path / "run" / critic / "run_settings.json").read_text())["group_by_task"] is True
+    # each ensemble beside its members, and the untrained reference
+    assert set(res["credit_accuracy"]) == {"sweet", "sweet/1", "sweet/2", "no_training_info", "no_training_info/1",
+                                           "no_training_info/2", "untrained"}
+    for critic, seed in (("critic", 0), ("critic_2", 1000), ("critic_no_training_info", 0), ("critic_no_training_info_2", 1000)):
+        settings = json.loads((tmp_path / "run" / critic / "run_settings.json").read_text())
+        assert settings["group_by_task"] is True and settings["seed"] == seed  # html's critics score a trajectory once a step
     states = read(tmp_path / "run" / "pairs.jsonl.states.jsonl")  # every labelled state has its true classes
     assert states and all(set(st["classes"]) <= {"good", "bad"} for st in states)
+    for st in states:  # the pairs were ranked by the two critics' mean advantage
+        by = st["advantages_by_critic"]
+        assert st["advantages"] == by["sweet"] == pytest.approx([(a + b) / 2 for a, b in zip(by["sweet/1"], by["sweet/2"])])
+    # credit.py --critics takes an ensemble as DIR+DIR and scores the stored candidates as label_turns did
+    run = tmp_path / "run"
+    subprocess.run([sys.executable, "credit.py", "--pairs", run / "pairs.jsonl", "--trajectories", run / "train_graded.jsonl",
+                    "--critics", f"both={run / 'critic'}+{run / 'critic_2'}"], cwd=ROOT, check=True)
+    again, report = (json.loads((run / f"pairs.jsonl.{f}.json").read_text()) for f in ("credit_rescored", "credit"))
+    assert again["class_pairs"]["both"] == report["class_pairs"]["sweet"] > 0
+    assert again["credit_accuracy"]["both"] == pytest.approx(report["credit_accuracy"]["sweet"])
     assert res.get("credit_kind_order") == credit.kind_order(states)  # the state-blind baseline, beside the critics
     sel = json.loads((tmp_path / "run" / "select_sweet.json").read_text())
     assert "similarity" in sel["methods"]["start"] and res["methods"]["sweet_rl"]["policy"] == sel["selected_policy"]

@@ -465,6 +465,20 @@ def test_label_turns_then_dpo_modes(tiny_model, tmp_path):
         label_turns.Scorer.load({"sweet": tmp_path / "critic"}, critic_settings, ref_name, torch.device("cpu"),
                                 4096, 10, 65536, dtype="float16")
     assert len(states) >= 3 and all(len(s["candidates"]) == 4 for s in states)
+    # an ensemble (--critic DIR+DIR): each member scores as it does alone, and a candidate's advantage is their mean
+    run_script("train_critic.py", "--trajectories", tmp_path / "g.jsonl", "--model", tiny_model, "--output_dir",
+               tmp_path / "critic2", "--lr", "3e-3", "--epochs", "1", "--train_layers", "1", "--seed", "1")
+    members, groups = label_turns.critic_members({"sweet": f"{tmp_path / 'critic'}+{tmp_path / 'critic2'}"})
+    assert groups == {"sweet": ["sweet/1", "sweet/2"]} and members["sweet/2"] == str(tmp_path / "critic2")
+    ensemble = label_turns.Scorer.load(members, label_turns.load_critics(members)[0], ref_name, torch.device("cpu"),
+                                       4096, 10, 65536, groups=groups)
+    trajs = {(t["task_id"], t.get("sample", 0)): t for t in colbench.load_graded(tmp_path / "g.jsonl")}
+    for s in states:
+        traj = trajs[(s["task_id"], s["sample"])]
+        adv = ensemble.advantages(traj["task"], colbench.agent_turns(traj)[s["turn"]][0], s["candidates"])
+        assert adv["sweet/1"] == pytest.approx(s["advantages"], abs=1e-5)  # as the critic alone labelled them
+        assert adv["sweet"] == pytest.approx([(a + b) / 2 for a, b in zip(adv["sweet/1"], adv["sweet/2"])])
+    assert adv["sweet/1"] != pytest.approx(adv["sweet/2"], abs=1e-4)  # a critic trained otherwise
     for p in pairs:
         assert set(p) >= {"prompt", "chosen", "rejected", "chosen_advantage", "rejected_advantage", "task_id", "turn"}
         assert p["chosen_advantage"] > p["rejected_advantage"]

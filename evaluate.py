@@ -85,7 +85,7 @@ def grade_html(rows, args):
     sim = render.ImageSimilarity(args.clip_model)
     tasks = {r["task_id"]: r["task"]["ground_truth"] for r in rows}
     with render.RenderPool(args.render_workers) as pool, ThreadPoolExecutor(args.render_workers) as threads:
-        targets = dict(zip(tasks, tqdm(threads.map(pool.render, tasks.values()), total=len(tasks), desc="target pages")))
+        targets = dict(zip(tasks, tqdm(threads.map(pool.render_kept, tasks.values()), total=len(tasks), desc="target pages")))
         answers = list(tqdm(threads.map(pool.render, [r["answer"] or "" for r in rows]), total=len(rows), desc="answer pages"))
         failures = pool.failures
     scores = sim([img for img, _ in answers], [targets[r["task_id"]][0] for r in rows])

@@ -3,7 +3,7 @@ from a local copy, picsum images replaced by same-size placeholders), HTML extra
 and CLIP similarity (or the named non-CLIP fallback `pixel_hist_v1`).
 
     import render
-    with render.RenderPool(2) as pool: img, ok = pool.render(html)
+    with render.RenderPool(2) as pool: img, ok = pool.render(html)    # pool.render_kept(html): kept on disk
     render.ImageSimilarity(clip_model)(answer_images, target_images)
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,6 +21,10 @@ from pathlib import Path
 def _cache_dir():
     from common import CACHE_DIR  # late import: common imports this module
     return CACHE_DIR
+
+
+def kept_renders_dir():
+    return _cache_dir() / "renders"  # RenderPool.render_kept's images (SWEETRL_CACHE moves the whole cache)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,9 +172,30 @@ class RenderPool:
         finally:
             self.free.put(r)
 
-    def render_many(self, htmls):
+    def render_many(self, htmls, kept=False):
         with ThreadPoolExecutor(len(self.renderers)) as pool:
-            return list(pool.map(self.render, htmls))
+            return list(pool.map(self.render_kept if kept else self.render, htmls))
+
+    def render_kept(self, html):
+        """render(html), its image kept on disk under the cache folder by a hash of the page and the render
+        settings: for target pages, which every grading and rollout of a run renders again (~2000 renders of
+        ~450 pages in a default html run). A page that failed to render is not kept."""
+        import hashlib
+        from PIL import Image
+        key = hashlib.sha256(f"{TAILWIND_VERSION} {VIEWPORT} {MAX_PAGE_HEIGHT}\n{html}".encode()).hexdigest()
+        path = kept_renders_dir() / key[:2] / f"{key}.png"
+        if path.exists():
+            try:
+                return Image.open(path).convert("RGB"), True
+            except OSError:
+                pass  # a damaged file: render again and replace it
+        img, ok = self.render(html)
+        if ok:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{key}.{os.getpid()}.{threading.get_ident()}.tmp")
+            img.save(tmp, format="PNG")  # lossless: the same pixels come back
+            os.replace(tmp, path)  # whole or absent, whichever process or thread writes it
+        return img, ok
 
     @property
     def failures(self):

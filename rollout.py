@@ -297,7 +297,7 @@ def main(args):
             requests = [colbench.human_messages(ep["task"], ep["dialogue"], args.task_type, prompts=templates) for ep in ask]
         else:  # render the target (once) and the agent's snippet, if its turn has one, for the human
             new = {ep["task"]["task_id"]: ep["task"]["ground_truth"] for ep in ask if ep["task"]["task_id"] not in targets}
-            targets.update(zip(new, (img for img, _ in pool.render_many(list(new.values())))))
+            targets.update(zip(new, (img for img, _ in pool.render_many(list(new.values()), kept=True))))
             snippets = [render.extract_html(ep["dialogue"][-1]["content"]) for ep in ask]
             renders = pool.render_many([s for s in snippets if s])
             agent_imgs = [renders.pop(0)[0] if s else None for s in snippets]

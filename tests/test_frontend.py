@@ -45,6 +45,26 @@ def test_broken_page_becomes_blank_and_is_counted(renderer):
         assert img.size == render.VIEWPORT and img.getpixel((0, 0)) == (255, 255, 255)
 
 
+def test_target_renders_are_kept_on_disk(renderer, tmp_path, monkeypatch):
+    """RenderPool.render_kept (target pages): a page rendered once comes back from disk with the same pixels and no
+    browser; another page is rendered, and a page that failed to render is never kept."""
+    monkeypatch.setattr(render, "kept_renders_dir", lambda: tmp_path)
+    fresh = renderer.render(page("blue"))[0]
+    with render.RenderPool(1) as pool:
+        img, ok = pool.render_kept(page("blue"))
+        assert ok and img.tobytes() == fresh.tobytes()
+    assert len(list(tmp_path.rglob("*.png"))) == 1
+    with render.RenderPool(1) as pool:
+        pool.renderers[0].driver_path = "/nonexistent"  # no browser can start: only a kept image can answer
+        img, ok = pool.render_kept(page("blue"))
+        assert ok and img.tobytes() == fresh.tobytes() and pool.failures == 0
+        img, ok = pool.render_kept(page("red"))  # never kept: it needs the browser, which fails
+        assert not ok and pool.failures == 1
+        (next(tmp_path.rglob("*.png"))).write_bytes(b"torn")  # a damaged file is rendered again, not trusted
+        assert pool.render_kept(page("blue"))[1] is False and pool.failures == 2
+    assert len(list(tmp_path.rglob("*.png"))) == 1 and not list(tmp_path.rglob("*.tmp"))
+
+
 def test_similarity_self_is_one_and_other_pages_lower(renderer):
     a, b, c = (renderer.render(page(h, f))[0] for h, f in (("blue", True), ("blue", True), ("red", False)))
     sim = render.ImageSimilarity()

@@ -8,6 +8,7 @@ Writes: PAIRS JSONL, one pair a line: prompt, chosen, rejected, chosen_advantage
 
     python label_turns.py --trajectories runs/train_graded.jsonl --critic runs/critic --output runs/pairs.jsonl
     python label_turns.py ... --agent_backend vllm --policy meta-llama/Llama-3.1-8B-Instruct
+    python label_turns.py ... --critic runs/critic+runs/critic_2    # an ensemble: the critics' mean advantage
     torchrun --nproc_per_node 8 label_turns.py ...    # states split over ranks; cat the shard files
 
 For each state o_t (the paper, arXiv 2503.15478, Sec. 4): sample N candidate turns a from the policy; score each with

@@ -158,6 +158,12 @@ def accuracies(states, critics):
             "kind_order": kind_order(states)}
 
 
+def with_members(groups):
+    """Critic names for a report: each critic or ensemble, then each ensemble's members ({name: [members]},
+    label_turns.critic_members)."""
+    return list(dict.fromkeys([*groups, *(m for members in groups.values() for m in members)]))
+
+
 def accuracy_line(acc):
     return ", ".join(f"{k} {v:.3f}" if v is not None else f"{k} -" for k, v in acc.items())
 
@@ -253,7 +259,7 @@ def rescore(pairs_path, trajectories, critic_dirs, max_len=16384, max_batch_toke
                                    f"{trajectories} (pass the trajectories label_turns.py read)")
         s["advantages_by_critic"] = scorer.advantages(traj["task"], colbench.agent_turns(traj)[s["turn"]][0], s["candidates"])
         s["advantages_by_critic"]["untrained"] = [0.0] * len(s["candidates"])
-    out = {"states": len(states), "critics": critic_dirs, **accuracies(states, list(dict.fromkeys([*groups, *members])))}
+    out = {"states": len(states), "critics": critic_dirs, **accuracies(states, with_members(groups))}
     common.write_text(f"{pairs_path}.credit_rescored.json", json.dumps(out, indent=2))
     print("turn-credit accuracy on the stored candidates: " + accuracy_line(out["credit_accuracy"]))
     print(kind_order_line(out["kind_order"]))

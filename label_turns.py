@@ -173,7 +173,7 @@ def main(args):
         label(args, todo, critic_dirs, groups, critic_settings, ref_name, policy_name, rng, pairs_out, state_log)
     pairs_out.close()
     state_log.close()
-    credit.report(out_path, list(dict.fromkeys([*groups, *critic_dirs])))  # each ensemble, then its members
+    credit.report(out_path, credit.with_members(groups))
     print(f"wrote {out_path}")
 
 

@@ -148,20 +148,19 @@ def kind_order_line(k):
     return f"best fixed order of turn kinds (no state): {k['order']} {k['accuracy']:.3f}" if k else ""
 
 
-def accuracies(states, critics):
+def accuracies(states, critics, members=()):
     """Every critic's turn-credit accuracy (and 'untrained', pi_ref: advantage 0 for every turn), its
-    split by kind, and the state-blind kind order beside them: the fields both reports share."""
+    split by kind, and the state-blind kind order beside them: the fields both reports share. members:
+    ensembles' members (ensemble_members), whose accuracy is listed after the critics', without a split."""
     out = {"credit_accuracy": {}, "class_pairs": {}}
-    for name in [*critics, "untrained"]:
+    for name in [*critics, *members, "untrained"]:
         out["credit_accuracy"][name], out["class_pairs"][name] = credit_accuracy(states, name)
-    return {**out, "by_kind": {name: credit_by_kind(states, name) for name in critics if "/" not in name},  # not per member
-            "kind_order": kind_order(states)}
+    return {**out, "by_kind": {name: credit_by_kind(states, name) for name in critics}, "kind_order": kind_order(states)}
 
 
-def with_members(groups):
-    """Critic names for a report: each critic or ensemble, then each ensemble's members ({name: [members]},
-    label_turns.critic_members)."""
-    return list(dict.fromkeys([*groups, *(m for members in groups.values() for m in members)]))
+def ensemble_members(groups):
+    """The members of every ensemble in {name: [members]} (label_turns.critic_members), in order."""
+    return [m for members in groups.values() if len(members) > 1 for m in members]
 
 
 def accuracy_line(acc):
@@ -211,10 +210,10 @@ def answer_balance(kinds):
     return sooner, later
 
 
-def report(out_path, critics=None):
-    """Turn-credit accuracy of every critic (names; default: all in the states file) on the labelled
-    states of out_path, printed and written to PAIRS.credit.json. 'untrained' is pi_ref itself as
-    critic: its advantage is 0 for every turn."""
+def report(out_path, critics=None, members=()):
+    """Turn-credit accuracy of every critic (names; default: all in the states file) and ensemble member
+    (accuracies) on the labelled states of out_path, printed and written to PAIRS.credit.json. 'untrained'
+    is pi_ref itself as critic: its advantage is 0 for every turn."""
     states = [r for _, r in common.read_jsonl(Path(f"{out_path}.states.jsonl"))] if Path(f"{out_path}.states.jsonl").exists() else []
     for s in states:  # the untrained critic is pi_ref: log pi_ref - log pi_ref = 0 for every turn
         if "advantages_by_critic" in s:
@@ -222,7 +221,7 @@ def report(out_path, critics=None):
     if critics is None:
         critics = list(dict.fromkeys(k for s in states for k in s.get("advantages_by_critic", {}) if k != "untrained"))
     report = {"states": len(states), "states_with_classes": sum("classes" in s for s in states),
-              **accuracies(states, critics)}
+              **accuracies(states, critics, members)}
     if report["states_with_classes"]:
         pairs = [r for _, r in common.read_jsonl(out_path)] if Path(out_path).exists() else []
         report["dpo_pairs"] = dpo_pair_classes(states, pairs)
@@ -259,7 +258,7 @@ def rescore(pairs_path, trajectories, critic_dirs, max_len=16384, max_batch_toke
                                    f"{trajectories} (pass the trajectories label_turns.py read)")
         s["advantages_by_critic"] = scorer.advantages(traj["task"], colbench.agent_turns(traj)[s["turn"]][0], s["candidates"])
         s["advantages_by_critic"]["untrained"] = [0.0] * len(s["candidates"])
-    out = {"states": len(states), "critics": critic_dirs, **accuracies(states, with_members(groups))}
+    out = {"states": len(states), "critics": critic_dirs, **accuracies(states, list(groups), ensemble_members(groups))}
     common.write_text(f"{pairs_path}.credit_rescored.json", json.dumps(out, indent=2))
     print("turn-credit accuracy on the stored candidates: " + accuracy_line(out["credit_accuracy"]))
     print(kind_order_line(out["kind_order"]))

@@ -173,7 +173,7 @@ def main(args):
         label(args, todo, critic_dirs, groups, critic_settings, ref_name, policy_name, rng, pairs_out, state_log)
     pairs_out.close()
     state_log.close()
-    credit.report(out_path, credit.with_members(groups))
+    credit.report(out_path, list(groups), credit.ensemble_members(groups))
     print(f"wrote {out_path}")
 
 

@@ -8,6 +8,7 @@ and CLIP similarity (or the named non-CLIP fallback `pixel_hist_v1`).
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -180,7 +181,6 @@ class RenderPool:
         """render(html), its image kept on disk under the cache folder by a hash of the page and the render
         settings: for target pages, which every grading and rollout of a run renders again (~2000 renders of
         ~450 pages in a default html run). A page that failed to render is not kept."""
-        import hashlib
         from PIL import Image
         key = hashlib.sha256(f"{TAILWIND_VERSION} {VIEWPORT} {MAX_PAGE_HEIGHT}\n{html}".encode()).hexdigest()
         path = kept_renders_dir() / key[:2] / f"{key}.png"

@@ -113,6 +113,8 @@ def test_run_sh_html_loop(tiny_model, tmp_path):
     again, report = (json.loads((run / f"pairs.jsonl.{f}.json").read_text()) for f in ("credit_rescored", "credit"))
     assert again["class_pairs"]["both"] == report["class_pairs"]["sweet"] > 0
     assert again["credit_accuracy"]["both"] == pytest.approx(report["credit_accuracy"]["sweet"])
+    assert set(report["by_kind"]) == {"sweet", "no_training_info"} and set(again["by_kind"]) == {"both"}  # not per member
+    assert set(again["credit_accuracy"]) == {"both", "both/1", "both/2", "untrained"}
     assert res.get("credit_kind_order") == credit.kind_order(states)  # the state-blind baseline, beside the critics
     sel = json.loads((tmp_path / "run" / "select_sweet.json").read_text())
     assert "similarity" in sel["methods"]["start"] and res["methods"]["sweet_rl"]["policy"] == sel["selected_policy"]

@@ -17,7 +17,6 @@ Each stage's output goes to OUT/NAME.log as it runs, the numbers to OUT/bench_gp
 """
 import argparse
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -26,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("--run_dir", required=True, help="a finished run: train_graded.jsonl and pairs.jsonl")
+p.add_argument("--run_dir", required=True, help="a finished html run: its train_graded.jsonl and pairs.jsonl")
 p.add_argument("--tokenizer", required=True, help="a folder with the tokenizer files and SmolLM2-135M's config.json")
 p.add_argument("--out", required=True)
 p.add_argument("--shapes", default="135m,1b")
@@ -56,7 +55,7 @@ def gpu_memory_mib():
     return int(q.stdout.split()[0]) if q.returncode == 0 and q.stdout.strip() else 0
 
 
-def stage(name, cmd, env=None, timeout=None):
+def stage(name, cmd, timeout=None):
     """Run one stage as a user would (a subprocess); its wall time and the GPU's peak memory in use."""
     peak, done = [0], threading.Event()
 
@@ -68,7 +67,7 @@ def stage(name, cmd, env=None, timeout=None):
     t0 = time.time()
     with open(out / f"{name}.log", "w") as log:  # written as it runs: a stage cut short keeps its log
         try:
-            rc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                 timeout=timeout or a.stage_timeout).returncode
         except subprocess.TimeoutExpired:
             rc = 124
@@ -108,7 +107,6 @@ def build(shape):
 
 def changed_share(start, trained):
     """share of the elements of every 2-D weight (embeddings aside) that differ from the start"""
-    import torch
     from safetensors.torch import load_file
     s, t = load_file(str(Path(start, "model.safetensors"))), load_file(str(Path(trained, "model.safetensors")))
     keys = [k for k in s if s[k].dim() == 2 and "embed" not in k and "lm_head" not in k]

@@ -422,7 +422,7 @@ def num_agent_turns(r):
     return r.get("num_turns", sum(m["role"] == "assistant" for m in r["dialogue_history"]))
 
 
-def trajectory_pairs(rows, task_type="code", min_gap=0.1, fewer_turns=False):
+def trajectory_pairs(rows, task_type="code", min_gap=0.1, fewer_turns=False, by_facts=False):
     """(chosen, rejected) trajectory pairs from graded rollouts, as released. Backend: per task the
     best sample must succeed; every lower-reward sample of that task is a rejected partner.
     Frontend: every two samples whose rewards (similarities) differ by at least min_gap; and on
@@ -430,20 +430,33 @@ def trajectory_pairs(rows, task_type="code", min_gap=0.1, fewer_turns=False):
     (the number of boxes or the title's alignment barely moves a similarity).
     fewer_turns (ours, off by default): also two successes of a task (code: success; html: an exact
     design) not paired above, the one with fewer agent turns chosen: the same outcome for less of the
-    human's time. The paper's reward ignores turns; this is a tie-break, not a cost."""
+    human's time. The paper's reward ignores turns; this is a tie-break, not a cost.
+    by_facts (ours, html on procedural pages): rank by design facts right (evaluate.py's facts_right) before
+    similarity: a sample with more facts right is chosen over one with fewer whatever their similarities,
+    and two with as many facts right pair by the similarity gap as above. The outcome the critic learns is
+    then the hidden facts (which asking reveals), not pixels that move with every draft's wording."""
+    if by_facts:
+        if task_type != "html":
+            raise ValueError("by_facts pairs html samples (procedural pages with design facts)")
+        missing = next((r for r in rows if "facts_right" not in r), None)
+        if missing is not None:
+            raise DataError(f"task {missing['task_id']}: no 'facts_right' (grade procedural pages with this "
+                            f"evaluate.py; pages without hidden design facts cannot be paired by facts)")
+    # the rank: facts right + similarity in [0, 1], so that one more fact right outweighs any similarity gap
+    score = (lambda r: r["facts_right"] + min(max(r["reward"], 0.0), 1.0)) if by_facts else (lambda r: r["reward"])
     by_task = {}
     for r in rows:
         by_task.setdefault(r["task_id"], []).append(r)
     pairs = []
     for group in by_task.values():
-        group = sorted(group, key=lambda r: (-r["reward"], r.get("sample", 0)))
+        group = sorted(group, key=lambda r: (-score(r), r.get("sample", 0)))
         if task_type == "code":
             best = group[0]
             if best.get("success", best["reward"] >= 1.0):
                 pairs += [(best, r) for r in group[1:] if r["reward"] < best["reward"]]
         else:
-            pairs += [(a, b) for i, a in enumerate(group) for b in group[i + 1:] if a["reward"] - b["reward"] >= min_gap
-                      or a["reward"] > b["reward"] and a.get("exact_design") and not b.get("exact_design")]
+            pairs += [(a, b) for i, a in enumerate(group) for b in group[i + 1:] if score(a) - score(b) >= min_gap
+                      or score(a) > score(b) and a.get("exact_design") and not b.get("exact_design")]
         if fewer_turns:
             made = {(id(a), id(b)) for a, b in pairs} | {(id(b), id(a)) for a, b in pairs}
             wins = [r for r in group if r.get("success")]  # html: set on procedural pages only, = exact_design

@@ -81,7 +81,7 @@ class Args:
 def grade_html(rows, args):
     """reward = similarity of the rendered final answer and the rendered target (its metric named). On
     procedural pages with design facts also success = exact_design: the answer's render matches every
-    design fact (render.design_features, read from pixels)."""
+    design fact (render.design_features, read from pixels), and facts_right: how many it matches."""
     sim = render.ImageSimilarity(args.clip_model)
     tasks = {r["task_id"]: r["task"]["ground_truth"] for r in rows}
     with render.RenderPool(args.render_workers) as pool, ThreadPoolExecutor(args.render_workers) as threads:
@@ -94,7 +94,9 @@ def grade_html(rows, args):
         design = colbench.design_of(r["task"]) if r["task"].get("hidden_information") else {}
         if design:
             features = render.design_features(img)
-            r["success"] = r["exact_design"] = bool(r["answer"]) and not colbench.design_mismatches(design, features)
+            wrong = colbench.design_mismatches(design, features) if r["answer"] else list(design)
+            r["success"] = r["exact_design"] = not wrong
+            r["facts_right"] = len(design) - len(wrong)  # of the page's design facts (train_critic.py --pair_facts)
             # facts the agent had been told (stated in the request or heard) that its answer breaks: an informed
             # answer gone wrong, which no question could have prevented
             r["known_fact_errors"] = colbench.design_mismatches(colbench.known_design(r["task"], r["dialogue_history"]),

@@ -91,6 +91,9 @@ TRAIN_LAYERS=${TRAIN_LAYERS:-$([ "$MODEL" = embedded ] && echo 10 || echo 0)}  #
 CRITIC_EPOCHS=${CRITIC_EPOCHS:-2}
 FEWER_TURNS=${FEWER_TURNS:-0}         # critics: 1 also pairs two successes of a task, the shorter dialogue chosen (ours; off: html
                                       # SEED=3's turn-credit fell 0.771 -> 0.700 with it, docs/frontend.md)
+PAIR_FACTS=${PAIR_FACTS:-$([ "${TASK_TYPE:-code}" = html ] && [ -z "$TRAIN_TASKS$TEST_TASKS" ] && echo 1 || echo 0)}  # html, procedural pages:
+                                      # 1 ranks trajectory pairs by design facts right, then similarity (turn-credit
+                                      # 0.631 -> 0.716 and 0.696 -> 0.737 on two draws' stored candidates, docs/frontend.md)
 GROUP_BY_TASK=${GROUP_BY_TASK:-0}     # critics: a task's pairs side by side in the batches, each trajectory scored once a step
 CRITICS=${CRITICS:-1}                 # critics of each kind, trained with seeds SEED, SEED+1000, ...: 2 or more are an ensemble whose
                                       # advantage is their mean (label_turns.py; docs/frontend.md, "Critics from other seeds")
@@ -112,7 +115,7 @@ PROMPT_DIR=${PROMPT_DIR:-}            # prompt templates replacing ours (e.g. a 
 
 KNOWN="SMALL TRAIN_TASKS TEST_TASKS RUN MODEL WARMUP N_WARMUP WARMUP_FAMILIES ORACLE_HASTY WARM_BAND WARMUP_TRIES HASTY_STEP ORACLE_DETOUR N_TRAIN N_TEST N_VAL VAL_SAMPLES SNAPSHOTS SAMPLES ORACLE_SAMPLES
   CANDIDATES PAIRS_PER_STATE DATA_FRACTION DPO_EPOCHS DPO_CROSS_KIND SELECT_SIGNIFICANT TEMPERATURE TRAIN_TEMPERATURE TOP_P MAX_TURNS MAX_NEW_TOKENS LR_WARMUP LR_CRITIC LR_DPO
-  CRITIC_EPOCHS FEWER_TURNS GROUP_BY_TASK CRITICS CREDIT_VARIANTS TRAIN_LAYERS BATCH_SIZE NPROC AGENT_BACKEND GRAD_CKPT TRAIN_DTYPE WARMUP_DTYPE DECODE_DTYPE SCORE_DTYPE SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL PROMPT_DIR REPORT_DIALOGUES SETUP PY"
+  CRITIC_EPOCHS FEWER_TURNS PAIR_FACTS GROUP_BY_TASK CRITICS CREDIT_VARIANTS TRAIN_LAYERS BATCH_SIZE NPROC AGENT_BACKEND GRAD_CKPT TRAIN_DTYPE WARMUP_DTYPE DECODE_DTYPE SCORE_DTYPE SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL PROMPT_DIR REPORT_DIALOGUES SETUP PY"
 echo "run.sh: run directory $RUN$([ -d "$RUN" ] && echo ' (exists: finished stages are reused)')"
 for v in OUT_DIR OUTPUT_DIR RUN_DIR OUTPUT; do  # easy mistakes: run.sh reads RUN
   if [ -n "${!v-}" ]; then echo "run.sh: warning: $v is set but run.sh does not read it; the run directory is RUN=$RUN" >&2; fi
@@ -260,7 +263,8 @@ critic() {  # critic DIR [variant flags]: CRITICS critics, DIR then DIR_2, DIR_3
     d=$dir; [ "$k" = 1 ] || d=${dir}_$k
     have "$d" || train train_critic.py --trajectories "$RUN/train_graded.jsonl" --model "$POLICY" --output_dir "$d" \
       --lr "$LR_CRITIC" --epochs "$CRITIC_EPOCHS" --task_type "$TASK_TYPE" --seed $((SEED + 1000 * (k - 1))) --train_layers "$TRAIN_LAYERS" \
-      $([ "$GROUP_BY_TASK" = 1 ] && echo --group_by_task) $([ "$FEWER_TURNS" = 1 ] && echo --fewer_turns) "$@"
+      $([ "$GROUP_BY_TASK" = 1 ] && echo --group_by_task) $([ "$FEWER_TURNS" = 1 ] && echo --fewer_turns) \
+      $([ "$PAIR_FACTS" = 1 ] && echo --pair_facts) "$@"
     ENSEMBLE=${ENSEMBLE:+$ENSEMBLE+}$d
   done
 }
@@ -290,7 +294,8 @@ METHODS="zero_shot:$POLICY sweet_rl:$BEST"
 if [ "$BASELINES" = 1 ]; then
   log "baselines: multi-turn DPO and rejection fine-tuning"
   have "$RUN/policy_mtdpo" || train train_dpo.py --mode trajectory --trajectories "$RUN/train_graded.jsonl" --model "$POLICY" \
-    --output_dir "$RUN/policy_mtdpo" --lr "$LR_DPO" --epochs "$DPO_EPOCHS" --task_type "$TASK_TYPE" --seed "$SEED" --train_layers "$TRAIN_LAYERS" "${snap[@]}"
+    --output_dir "$RUN/policy_mtdpo" --lr "$LR_DPO" --epochs "$DPO_EPOCHS" --task_type "$TASK_TYPE" --seed "$SEED" --train_layers "$TRAIN_LAYERS" "${snap[@]}" \
+    $([ "$PAIR_FACTS" = 1 ] && echo --pair_facts)
   best_of mtdpo "$RUN/policy_mtdpo"; METHODS="$METHODS multi_turn_dpo:$BEST"
   have "$RUN/policy_rft" || train train_dpo.py --mode sft --trajectories "$RUN/train_graded.jsonl" --model "$POLICY" \
     --output_dir "$RUN/policy_rft" --lr "$LR_DPO" --epochs "$DPO_EPOCHS" --seed "$SEED" --task_type "$TASK_TYPE" --train_layers "$TRAIN_LAYERS" "${snap[@]}"

@@ -26,6 +26,8 @@ Deviations from the paper / released code:
 3. c is a plain-text block before the first stored prompt (the stored prompt is used as is).
 4. `--fewer_turns` (ours, off by default): two successes of a task also make a pair, the shorter
    dialogue chosen (colbench.trajectory_pairs).
+5. `--pair_facts` (ours; run.sh's default on procedural pages): html samples ranked by design facts
+   right, then similarity (colbench.trajectory_pairs).
 """
 from __future__ import annotations
 
@@ -89,6 +91,9 @@ class Args:
     (same loss and gradients as running each trajectory whole; --no_shared_prefix does that)"""
     fewer_turns: bool = False
     """also pair two successes of a task (html: exact designs), the one with fewer agent turns chosen"""
+    pair_facts: bool = False
+    """html on procedural pages: the sample with more design facts right is chosen whatever the similarities,
+    as many right pair by similarity (needs evaluate.py's facts_right)"""
     group_by_task: bool = False
     """lay each task's pairs side by side in the batches and score a trajectory once per step for all its
     pairs (a micro-batch = one task's pairs: ~2x fewer passes on html's pairs, the same loss for the same
@@ -137,6 +142,7 @@ def critic_loss(score_chosen, score_rejected):
 def main(args):
     common.refuse(args.normalization not in ("turn", "trajectory") and "--normalization: choose turn or trajectory",
                   args.task_type not in ("code", "html") and f"--task_type {args.task_type}: choose code or html",
+                  args.pair_facts and args.task_type != "html" and "--pair_facts ranks html pages: use it with --task_type html",
                   args.beta <= 0 and "--beta must be positive", args.lr <= 0 and "--lr must be positive",
                   args.epochs < 1 and "--epochs must be at least 1", args.batch_size < 1 and "--batch_size must be at least 1",
                   not 0 <= args.heldout_fraction < 1 and "--heldout_fraction must be in [0, 1)",
@@ -148,7 +154,7 @@ def main(args):
     torch.manual_seed(args.seed)
     tok = models.load_tokenizer(args.model)
     graded = colbench.load_graded(args.trajectories)
-    pairs = colbench.trajectory_pairs(graded, args.task_type, fewer_turns=args.fewer_turns)
+    pairs = colbench.trajectory_pairs(graded, args.task_type, fewer_turns=args.fewer_turns, by_facts=args.pair_facts)
     if not pairs:
         sys.exit(f"{args.trajectories}: no trajectory pairs (need tasks whose best sample succeeds and another "
                  f"sample with a lower reward; roll out more samples per task)")

@@ -94,6 +94,9 @@ class Args:
     """sft mode: success (rejection fine-tuning: successful dialogues only) | all (every dialogue: the embedded warm-up)"""
     seed: int = 0
     """data order"""
+    pair_facts: bool = False
+    """trajectory mode, html on procedural pages: pairs ranked by design facts right, then similarity, as the
+    critic's with the same flag (train_critic.py)"""
     cross_kind: str = "turn"
     """turn mode, pairs whose two turns are of different kinds (question, draft, answer; colbench.turn_kind):
     turn (the paper: every token of both turns) | decision (each turn's first line only, the tokens that
@@ -160,7 +163,7 @@ def build_examples(args):
     graded = colbench.load_graded(args.trajectories)
     if args.mode == "trajectory":
         return [{"chosen": colbench.agent_turns(c), "rejected": colbench.agent_turns(r)}
-                for c, r in colbench.trajectory_pairs(graded, args.task_type)]
+                for c, r in colbench.trajectory_pairs(graded, args.task_type, by_facts=args.pair_facts)]
     if args.task_type == "html" and args.sft_on == "success" and not all("success" in r for r in graded):
         best = {}  # ColBench pages have no notion of success (procedural ones: exact design): each task's best sample
         for r in graded:
@@ -181,6 +184,8 @@ def main(args):
                   args.sft_on not in ("success", "all") and f"--sft_on {args.sft_on}: choose success or all",
                   args.cross_kind not in ("turn", "decision") and f"--cross_kind {args.cross_kind}: choose turn or decision",
                   args.cross_kind != "turn" and args.mode != "turn" and "--cross_kind is for --mode turn (pairs of turns)",
+                  args.pair_facts and (args.mode != "trajectory" or args.task_type != "html")
+                  and "--pair_facts is for --mode trajectory --task_type html",
                   args.beta <= 0 and "--beta must be positive", args.lr <= 0 and "--lr must be positive",
                   args.nll_coef < 0 and "--nll_coef must be >= 0", args.epochs <= 0 and "--epochs must be positive",
                   *models.precision_problems(args),

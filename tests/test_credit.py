@@ -7,6 +7,7 @@ import types
 import pytest
 
 import colbench
+import common
 import sandbox
 import evaluate
 import generate_tasks
@@ -153,6 +154,19 @@ def test_trajectory_pairs_rules():
     assert [(c["task_id"], c["sample"], r["sample"]) for c, r in pairs] == [("a", 0, 1), ("a", 0, 3)]  # ties never pair
     html = colbench.trajectory_pairs([row("h", 0, 0.8), row("h", 1, 0.75), row("h", 2, 0.6), row("h", 3, 0.2)], "html")
     assert [(c["sample"], r["sample"]) for c, r in html] == [(0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]  # gap >= 0.1, not 0.05
+
+
+def test_trajectory_pairs_by_facts():
+    row = lambda s, facts, r: {"task_id": "h", "sample": s, "reward": r, "facts_right": facts, "exact_design": facts == 5}
+    rows = [row(0, 5, 0.70), row(1, 4, 0.95), row(2, 4, 0.90), row(3, 4, 0.78), row(4, 2, 0.99)]
+    names = lambda pairs: sorted((c["sample"], r["sample"]) for c, r in pairs)
+    # by similarity, as released: the exact design 0 is rejected by three pages with facts wrong, 4 with three wrong
+    assert names(colbench.trajectory_pairs(rows, "html")) == [(1, 0), (1, 3), (2, 0), (2, 3), (4, 0), (4, 3)]
+    # by facts: more facts right is chosen whatever the similarities; as many right pair by the 0.1 gap (1 over 3, not 2)
+    assert names(colbench.trajectory_pairs(rows, "html", by_facts=True)) == [(0, 1), (0, 2), (0, 3), (0, 4), (1, 3), (1, 4),
+                                                                             (2, 3), (2, 4), (3, 4)]
+    with pytest.raises(common.DataError, match="facts_right"):
+        colbench.trajectory_pairs([{"task_id": "h", "sample": 0, "reward": 0.5}], "html", by_facts=True)
 
 
 def test_trajectory_pairs_fewer_turns():

@@ -169,7 +169,8 @@ def test_html_rollout_and_evaluation_end_to_end(tiny_model, simulator_url, tmp_p
     oracle, tiny = (json.loads((tmp_path / f).read_text()) for f in ("os.json", "rs.json"))
     assert oracle["similarity"] == pytest.approx(1.0) and oracle["metric"] == "pixel_hist_v1"
     assert oracle["exact_design"] == 1.0 and oracle["mean_turns"] > 1  # it asked or showed drafts before answering
-    assert oracle["known_fact_errors"] == 0.0 and all(r["known_fact_errors"] == [] for r in read_jsonl(tmp_path / "og.jsonl"))
+    assert oracle["known_fact_errors"] == 0.0 and all(r["known_fact_errors"] == [] and r["facts_right"] == len(colbench.design_of(r["task"]))
+                                                      for r in read_jsonl(tmp_path / "og.jsonl"))
     # an answer that breaks a fact the agent heard (and one it never heard): only the heard one is an informed error
     task = read_jsonl(tmp_path / "t.jsonl")[0]
     heard, unheard = (colbench.parse_design_fact(f) for f in colbench.hidden_facts(task)[:2])
@@ -181,7 +182,8 @@ def test_html_rollout_and_evaluation_end_to_end(tiny_model, simulator_url, tmp_p
     (tmp_path / "w.jsonl").write_text(json.dumps({"task": task, "dialogue_history": dialogue, "answer": page}) + "\n")
     run_script("evaluate.py", "--task_type", "html", "--input", tmp_path / "w.jsonl", "--output", tmp_path / "wg.jsonl",
                "--summary", tmp_path / "ws.json")
-    assert read_jsonl(tmp_path / "wg.jsonl")[0]["known_fact_errors"] == [heard[0]]
+    wrong = read_jsonl(tmp_path / "wg.jsonl")[0]
+    assert wrong["known_fact_errors"] == [heard[0]] and wrong["facts_right"] == len(colbench.design_of(task)) - 2
     assert json.loads((tmp_path / "ws.json").read_text())["known_fact_errors"] == 1.0
     assert tiny["similarity"] < 1.0 and tiny["win_rate"] == 0.0  # the random model never beats the target itself
     assert all(r["metric"] == "pixel_hist_v1" for r in read_jsonl(tmp_path / "rg.jsonl"))

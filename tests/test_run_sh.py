@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+import colbench
 import credit
 from conftest import ROOT
 
@@ -101,6 +102,7 @@ def test_run_sh_html_loop(tiny_model, tmp_path):
     for critic, seed in (("critic", 0), ("critic_2", 1000), ("critic_no_training_info", 0), ("critic_no_training_info_2", 1000)):
         settings = json.loads((tmp_path / "run" / critic / "run_settings.json").read_text())
         assert settings["group_by_task"] is True and settings["seed"] == seed  # html's critics score a trajectory once a step
+        assert settings["pair_facts"] is True  # procedural pages: pairs by design facts right, then similarity
     states = read(tmp_path / "run" / "pairs.jsonl.states.jsonl")  # every labelled state has its true classes
     assert states and all(set(st["classes"]) <= {"good", "bad"} for st in states)
     for st in states:  # the pairs were ranked by the two critics' mean advantage
@@ -121,6 +123,7 @@ def test_run_sh_html_loop(tiny_model, tmp_path):
     train = read(tmp_path / "run" / "train_graded.jsonl")
     oracle = [r for r in train if r["sample"] == 1]
     assert all(r["exact_design"] and r["reward"] == 1.0 for r in oracle) and min(r["reward"] for r in train) < 0.9
+    assert all(r["facts_right"] == len(colbench.design_of(r["task"])) for r in oracle)
     assert (tmp_path / "run" / "critic" / "config.json").exists() and (tmp_path / "run" / "results.png").exists()
     assert (tmp_path / "run" / "report.html").exists()
     dpo = json.loads((tmp_path / "run" / "policy_sweet" / "run_settings.json").read_text())

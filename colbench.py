@@ -435,13 +435,8 @@ def trajectory_pairs(rows, task_type="code", min_gap=0.1, fewer_turns=False, by_
     similarity: a sample with more facts right is chosen over one with fewer whatever their similarities,
     and two with as many facts right pair by the similarity gap as above. The outcome the critic learns is
     then the hidden facts (which asking reveals), not pixels that move with every draft's wording."""
-    if by_facts:
-        if task_type != "html":
-            raise ValueError("by_facts pairs html samples (procedural pages with design facts)")
-        missing = next((r for r in rows if "facts_right" not in r), None)
-        if missing is not None:
-            raise DataError(f"task {missing['task_id']}: no 'facts_right' (grade procedural pages with this "
-                            f"evaluate.py; pages without hidden design facts cannot be paired by facts)")
+    if by_facts and task_type != "html":
+        raise ValueError("by_facts pairs html samples (procedural pages with design facts)")
     # the rank: facts right + similarity in [0, 1], so that one more fact right outweighs any similarity gap
     score = (lambda r: r["facts_right"] + min(max(r["reward"], 0.0), 1.0)) if by_facts else (lambda r: r["reward"])
     by_task = {}
@@ -488,10 +483,10 @@ def validate_trajectory(r, where, task_type=None):
         raise DataError(f"{where}: 'answer' must be a string or null")
 
 
-def load_graded(path, task_type=None):
-    """Graded trajectories (evaluate.py output); each needs `reward` and stored agent inputs/outputs.
-    Dialogues that ended in an infrastructure error (finish=error) are left out with a note: their
-    low reward says nothing about the agent."""
+def load_graded(path, task_type=None, facts=False):
+    """Graded trajectories (evaluate.py output); each needs `reward` and stored agent inputs/outputs
+    (with facts, also `facts_right`). Dialogues that ended in an infrastructure error (finish=error) are
+    left out with a note: their low reward says nothing about the agent."""
     rows, errors = [], 0
     for line, r in read_jsonl(path):
         validate_trajectory(r, f"{path}:{line}", task_type)
@@ -499,6 +494,9 @@ def load_graded(path, task_type=None):
             raise DataError(f"{path}:{line}: missing 'reward' (grade rollouts with evaluate.py first)")
         if not isinstance(r["reward"], (int, float)) or isinstance(r["reward"], bool):
             raise DataError(f"{path}:{line}: 'reward' must be a number, got {r['reward']!r}")
+        if facts and not isinstance(r.get("facts_right"), int):
+            raise DataError(f"{path}:{line}: no 'facts_right' (pairs by design facts need procedural pages graded by "
+                            f"evaluate.py; leave out --pair_facts for pages without hidden design facts)")
         r["task_id"] = r.get("task_id") or task_id(r["task"])
         if not agent_turns(r):
             raise DataError(f"{path}:{line}: no assistant turn with stored 'input' and 'output'")

@@ -26,8 +26,8 @@ Deviations from the paper / released code:
 3. c is a plain-text block before the first stored prompt (the stored prompt is used as is).
 4. `--fewer_turns` (ours, off by default): two successes of a task also make a pair, the shorter
    dialogue chosen (colbench.trajectory_pairs).
-5. `--pair_facts` (ours; run.sh's default on procedural pages): html samples ranked by design facts
-   right, then similarity (colbench.trajectory_pairs).
+5. `--pair_facts` (ours, off by default): html samples ranked by design facts right, then similarity
+   (colbench.trajectory_pairs).
 """
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ def main(args):
     rank, world, device = common.init_distributed()
     torch.manual_seed(args.seed)
     tok = models.load_tokenizer(args.model)
-    graded = colbench.load_graded(args.trajectories)
+    graded = colbench.load_graded(args.trajectories, facts=args.pair_facts)
     pairs = colbench.trajectory_pairs(graded, args.task_type, fewer_turns=args.fewer_turns, by_facts=args.pair_facts)
     if not pairs:
         sys.exit(f"{args.trajectories}: no trajectory pairs (need tasks whose best sample succeeds and another "

@@ -160,7 +160,7 @@ def build_examples(args):
         cut = lambda r: args.cross_kind == "decision" and colbench.turn_kind(r["chosen"]) != colbench.turn_kind(r["rejected"])
         return [{"prompt": r["prompt"], "chosen": [(r["prompt"], r["chosen"])], "rejected": [(r["prompt"], r["rejected"])],
                  "decision_only": cut(r)} for _, r in rows]
-    graded = colbench.load_graded(args.trajectories)
+    graded = colbench.load_graded(args.trajectories, facts=args.pair_facts)
     if args.mode == "trajectory":
         return [{"chosen": colbench.agent_turns(c), "rejected": colbench.agent_turns(r)}
                 for c, r in colbench.trajectory_pairs(graded, args.task_type, by_facts=args.pair_facts)]

@@ -7,7 +7,6 @@ import types
 import pytest
 
 import colbench
-import common
 import sandbox
 import evaluate
 import generate_tasks
@@ -165,8 +164,6 @@ def test_trajectory_pairs_by_facts():
     # by facts: more facts right is chosen whatever the similarities; as many right pair by the 0.1 gap (1 over 3, not 2)
     assert names(colbench.trajectory_pairs(rows, "html", by_facts=True)) == [(0, 1), (0, 2), (0, 3), (0, 4), (1, 3), (1, 4),
                                                                              (2, 3), (2, 4), (3, 4)]
-    with pytest.raises(common.DataError, match="facts_right"):
-        colbench.trajectory_pairs([{"task_id": "h", "sample": 0, "reward": 0.5}], "html", by_facts=True)
 
 
 def test_trajectory_pairs_fewer_turns():

@@ -17,6 +17,7 @@ Each stage's output goes to OUT/NAME.log as it runs, the numbers to OUT/bench_gp
 """
 import argparse
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -180,15 +181,22 @@ for shape in a.shapes.split(","):
         tasks, dialogues = out / "code_tasks.jsonl", out / "rollouts_135m.jsonl"
         subprocess.run([sys.executable, "generate_tasks.py", "--num_tasks", "8", "--seed", "7", "--output", str(tasks)],
                        cwd=ROOT, check=True, capture_output=True)
-        sim = subprocess.Popen([sys.executable, "simulator.py", "--port", "8765"], cwd=ROOT,
-                               stdout=subprocess.DEVNULL, stderr=open(out / "simulator.log", "w"))
-        time.sleep(8)
-        ok = stage("rollout_135m", [sys.executable, "rollout.py", "--tasks", str(tasks), "--output", str(dialogues),
-                                    "--agent_backend", "hf", "--agent_model", str(model), "--simulator_url",
-                                    "http://127.0.0.1:8765", "--samples", "2", "--max_turns", "4", "--max_new_tokens", "128"])
+        sim_log = out / "simulator.log"  # as run.sh starts it: any free port, the URL read from its log
+        sim = subprocess.Popen([sys.executable, "simulator.py", "--port", "0"], cwd=ROOT,
+                               stdout=open(sim_log, "w"), stderr=subprocess.STDOUT)
+        url = ""
+        for _ in range(300):
+            found = re.search(r"ready at (http\S+)/v1", sim_log.read_text())
+            if found or sim.poll() is not None:
+                url = found.group(1) if found else ""
+                break
+            time.sleep(0.1)
+        ok = bool(url) and stage("rollout_135m", [sys.executable, "rollout.py", "--tasks", str(tasks), "--output", str(dialogues),
+                                                  "--agent_backend", "hf", "--agent_model", str(model), "--simulator_url", url,
+                                                  "--samples", "2", "--max_turns", "4", "--max_new_tokens", "128"])
         sim.terminate()
         done = [json.loads(x) for x in open(dialogues)] if dialogues.exists() else []
-        results["rollout_135m"].update(dialogues=len(done))
+        results.setdefault("rollout_135m", {}).update(dialogues=len(done), simulator=url or f"did not start: {sim_log}")
         check("rollouts finish", ok and len(done) == 16, f"{len(done)} of 16 dialogues")
         save()
 

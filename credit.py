@@ -155,7 +155,28 @@ def accuracies(states, critics, members=()):
     out = {"credit_accuracy": {}, "class_pairs": {}}
     for name in [*critics, *members, "untrained"]:
         out["credit_accuracy"][name], out["class_pairs"][name] = credit_accuracy(states, name)
-    return {**out, "by_kind": {name: credit_by_kind(states, name) for name in critics}, "kind_order": kind_order(states)}
+    return {**out, "by_kind": {name: credit_by_kind(states, name) for name in critics}, "kind_order": kind_order(states),
+            "answer_over_asking": {name: answer_over_asking(states, name) for name in critics}}
+
+
+def answer_over_asking(states, name):
+    """Whether a critic reads the state or leans to a kind of turn: over every answer and question-or-draft
+    candidate of a state, the share where the critic ranks the answer higher (ties half), in the states where
+    the human had already told every hidden fact (asking again reveals nothing: the answer is the better turn
+    whenever the classes differ) and in the others. {"told_all": [share, n], "not_yet": [share, n]}; a
+    critic that reads the state ranks answers far higher in the first; one that leans, alike in both."""
+    out = {}
+    for s in states:
+        adv = s.get("advantages_by_critic", {}).get(name)
+        if adv is None or "told_all" not in s:
+            continue
+        kinds = [colbench.turn_kind(c) for c in s["candidates"]]
+        h = out.setdefault("told_all" if s["told_all"] else "not_yet", [0.0, 0])
+        for i, j in itertools.product(range(len(kinds)), repeat=2):
+            if kinds[i] == "answer" and kinds[j] != "answer":
+                h[0] += 1.0 if adv[i] > adv[j] else 0.5 if adv[i] == adv[j] else 0.0
+                h[1] += 1
+    return {k: [round(h / n, 4), n] for k, (h, n) in sorted(out.items()) if n}
 
 
 def ensemble_members(groups):
@@ -235,6 +256,11 @@ def report(out_path, critics=None, members=()):
         sooner, later = answer_balance(report["dpo_pair_kinds"])
         print(f"DPO pairs by kind (chosen > rejected): an answer over a question or draft {sooner}, the reverse {later}; " +
               ", ".join(f"{k} {n}" for k, n in list(report["dpo_pair_kinds"].items())[:6]), file=sys.stderr)
+        for name, split in report["answer_over_asking"].items():
+            if split:
+                print(f"  {name} ranks an answer above a question or draft: " +
+                      ", ".join(f"{k.replace('_', ' ')} {a:.2f} ({n})" for k, (a, n) in split.items()) +
+                      " (told all: the human had said every hidden fact, so the answer is the better turn)", file=sys.stderr)
         for name, split in report["by_kind"].items():
             print(f"  {name}: " + ", ".join(f"{k} {a:.3f} ({n})" for k, (a, n) in split.items()), file=sys.stderr)
     return report

@@ -27,7 +27,9 @@ run once per state for all of them (common.FrozenBottom; --no_keep_frozen runs t
 
 Turn-credit accuracy (procedural code tasks and pages; credit.py, apart from the algorithm): every candidate's
 true class is stored in the states file beside every critic's advantages (--critic and
---credit_critics), and PAIRS.credit.json says how often each critic ranks a good turn above a bad one.
+--credit_critics), and PAIRS.credit.json says how often each critic ranks a good turn above a bad one, and
+how often an answer above a question or draft where the human had told every hidden fact (`told_all`,
+where asking again reveals nothing) and elsewhere: a critic that leans to a kind of turn ranks alike in both.
 
 Deviations from the paper / released code:
 1. pi_ref sees the same input as the critic (c + o_t), as in the critic's own objective (the released
@@ -299,6 +301,7 @@ def label_state(state, candidates, scorer, pairs_per_state, rng, pairs_out, stat
     classes = scorer.classes(traj, turn, candidates)
     if classes is not None:  # procedural task: every candidate's true class
         row["classes"] = classes
+        row["told_all"] = colbench.knows_every_fact(traj["task"], credit.state_dialogue(traj, turn))
         row["advantages_by_critic"] = advantages
     state_log.write(row)
 

@@ -91,9 +91,10 @@ TRAIN_LAYERS=${TRAIN_LAYERS:-$([ "$MODEL" = embedded ] && echo 10 || echo 0)}  #
 CRITIC_EPOCHS=${CRITIC_EPOCHS:-2}
 FEWER_TURNS=${FEWER_TURNS:-0}         # critics: 1 also pairs two successes of a task, the shorter dialogue chosen (ours; off: html
                                       # SEED=3's turn-credit fell 0.771 -> 0.700 with it, docs/frontend.md)
-PAIR_FACTS=${PAIR_FACTS:-0}           # critics, html on procedural pages: 1 ranks trajectory pairs by design facts right, then
-                                      # similarity (ours; off: SWEET turn-credit 0.631 -> 0.716, 0.696 -> 0.737, 0.753 -> 0.604
-                                      # on three draws' candidates, docs/frontend.md)
+PAIR_FACTS=${PAIR_FACTS:-$([ "${TASK_TYPE:-code}" = html ] && [ -z "$TRAIN_TASKS$TEST_TASKS" ] && echo 1 || echo 0)}  # html on
+                                      # procedural pages: 1 ranks the critics' trajectory pairs by design facts right, then
+                                      # similarity (ours); its kept update beat the similarity pairs' on validation on three of
+                                      # three draws (+3.3, +15.1, +6.1 against +0.4, +0.2, the start; docs/frontend.md)
 GROUP_BY_TASK=${GROUP_BY_TASK:-0}     # critics: a task's pairs side by side in the batches, each trajectory scored once a step
 CRITICS=${CRITICS:-1}                 # critics of each kind, trained with seeds SEED, SEED+1000, ...: 2 or more are an ensemble whose
                                       # advantage is their mean (label_turns.py; docs/frontend.md, "Critics from other seeds")

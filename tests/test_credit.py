@@ -112,6 +112,20 @@ def test_kind_order_is_the_best_state_blind_ranking_of_turn_kinds():
     assert credit.kind_order([{"candidates": ["x"]}]) is None
 
 
+def test_answer_over_asking_splits_states_where_every_fact_was_told():
+    """credit.answer_over_asking: answer against question-or-draft candidates only, ties half, split by told_all."""
+    answer = f"{colbench.ANSWER_MARKER} <html><body>a</body></html>"
+    draft = "Here is a draft: <html><body>b</body></html>"
+    states = [{"candidates": [answer, "Which colour?", draft], "told_all": True,
+               "advantages_by_critic": {"c": [0.5, 0.1, 0.5]}},  # above the question, tied with the draft
+              {"candidates": ["Which colour?", answer, answer], "told_all": False,
+               "advantages_by_critic": {"c": [0.3, 0.1, 0.4]}},  # one answer below the question, one above
+              {"candidates": ["Ask a?", "Ask b?"], "told_all": True, "advantages_by_critic": {"c": [0.0, 1.0]}},  # no answer
+              {"candidates": [answer, "Ask?"], "advantages_by_critic": {"c": [1.0, 0.0]}}]  # stored before told_all
+    assert credit.answer_over_asking(states, "c") == {"told_all": [0.75, 2], "not_yet": [0.5, 2]}
+    assert credit.answer_over_asking(states, "other") == {}
+
+
 def test_dpo_pair_classes_judge_each_pair_by_its_state():
     key = {"task_id": "t", "sample": 0}
     states = [{**key, "turn": 0, "candidates": ["ask x", "answer", "ask y"], "classes": ["good", "bad", "bad"]},

@@ -56,6 +56,12 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
     assert set(report["dpo_pairs"]) == {"right", "wrong", "same_class"} and sum(report["dpo_pairs"].values()) == n_pairs
     states = [json.loads(line) for line in (tmp_path / "run" / "pairs.jsonl.states.jsonl").read_text().splitlines()]
     assert res.get("credit_kind_order") == report["kind_order"] == credit.kind_order(states)  # the state-blind baseline
+    trajs = {(t["task_id"], t.get("sample", 0)): t for t in colbench.load_graded(tmp_path / "run" / "train_graded.jsonl")}
+    for st in states:  # told_all: whether the human had said every hidden fact before the state's turn
+        traj = trajs[(st["task_id"], st["sample"])]
+        assert st["told_all"] == colbench.knows_every_fact(traj["task"], credit.state_dialogue(traj, st["turn"]))
+    assert report["answer_over_asking"]["sweet"] == credit.answer_over_asking(states, "sweet")
+    assert json.loads((tmp_path / "run" / "critic" / "run_settings.json").read_text())["pair_facts"] is False  # code
     # credit.py --critics: the stored candidates scored anew; the same critic gives the same accuracy
     run = tmp_path / "run"
     subprocess.run([sys.executable, "credit.py", "--pairs", run / "pairs.jsonl", "--trajectories", run / "train_graded.jsonl",
@@ -79,13 +85,13 @@ def test_run_sh_html_loop(tiny_model, tmp_path):
     The warm-up SFT trains in WARMUP_DTYPE (html: auto, fp32 here), the critics and DPO in TRAIN_DTYPE (html:
     bf16 where the CPU has bf16 instructions); an empty WARM_BAND skips the warm-up's calibration. CRITICS=2: two
     critics of each kind (seeds SEED and SEED+1000: 0 and 1000), the candidates ranked by their mean advantage.
-    PAIR_FACTS=1: the critics' pairs ranked by the design facts evaluate.py counts, then similarity."""
+    html's default PAIR_FACTS=1: the critics' pairs ranked by the design facts evaluate.py counts, then similarity."""
     env = {**os.environ, "SETUP": "0", "PY": sys.executable, "RUN": str(tmp_path / "run"), "MODEL": tiny_model,
            "TASK_TYPE": "html", "WARMUP": "1", "N_WARMUP": "2", "WARM_BAND": "", "N_TRAIN": "2", "N_TEST": "2",
            "SAMPLES": "1", "ORACLE_SAMPLES": "1",
            "CANDIDATES": "2", "PAIRS_PER_STATE": "1", "DATA_FRACTION": "1.0", "MAX_TURNS": "4", "MAX_NEW_TOKENS": "8",
            "LR_CRITIC": "1e-3", "LR_DPO": "1e-3", "CRITIC_EPOCHS": "1", "OMP_NUM_THREADS": "1", "N_VAL": "2", "VAL_SAMPLES": "1",
-           "CRITICS": "2", "SCORE_DTYPE": "auto", "PAIR_FACTS": "1"}  # fp32 scoring, as credit.py's below
+           "CRITICS": "2", "SCORE_DTYPE": "auto"}  # fp32 scoring, as credit.py's below
     p = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     table = (tmp_path / "run" / "results.txt").read_text()
@@ -103,7 +109,7 @@ def test_run_sh_html_loop(tiny_model, tmp_path):
     for critic, seed in (("critic", 0), ("critic_2", 1000), ("critic_no_training_info", 0), ("critic_no_training_info_2", 1000)):
         settings = json.loads((tmp_path / "run" / critic / "run_settings.json").read_text())
         assert settings["group_by_task"] is True and settings["seed"] == seed  # html's critics score a trajectory once a step
-        assert settings["pair_facts"] is True  # PAIR_FACTS=1: pairs by design facts right, then similarity
+        assert settings["pair_facts"] is True  # html's default: pairs by design facts right, then similarity
     states = read(tmp_path / "run" / "pairs.jsonl.states.jsonl")  # every labelled state has its true classes
     assert states and all(set(st["classes"]) <= {"good", "bad"} for st in states)
     for st in states:  # the pairs were ranked by the two critics' mean advantage

@@ -634,7 +634,7 @@ def length_groups(lengths, overhead=64):
 LOGITS_BUDGET = 2**28  # shared_prompt_logprobs with max_tokens: logits held at once (1 GiB in fp32)
 
 
-def shared_prompt_logprobs(model, prompt_ids, conts, chunk=1024, max_tokens=None, bottom=None):
+def shared_prompt_logprobs(model, prompt_ids, conts, chunk=1024, max_tokens=None, bottom=None, heads=None):
     """Summed log-prob and token count of each continuation of one prompt: the prompt runs once, then
     the continuations as right-padded batches of similar length (length_groups) on its KV cache;
     gradients flow through the cache into the prompt's pass. Equal to scoring prompt + continuation
@@ -643,13 +643,15 @@ def shared_prompt_logprobs(model, prompt_ids, conts, chunk=1024, max_tokens=None
     batch per length group): each row holds its own copy of the prompt's KV cache, so a batch has at
     most max_tokens // (prompt + longest continuation) rows, and its [rows, length, vocab] logits at
     most LOGITS_BUDGET elements. With a FrozenBottom, only the layers above it run, on its kept hidden
-    states (those of the frozen layers are small beside the logits, and not bounded by max_tokens)."""
+    states (those of the frozen layers are small beside the logits, and not bounded by max_tokens).
+    heads: [N] token counts (>= 1): also return, third, the summed log-prob of each continuation's first heads[i]
+    tokens, from the same pass (label_turns.py's decision: a turn's first line)."""
     hidden = bottom.prompt_hidden(model, prompt_ids, conts) if bottom is not None else None  # before top() below
     with bottom.top(model) if bottom is not None else contextlib.nullcontext():
-        return _shared_prompt_logprobs(model, prompt_ids, conts, chunk, max_tokens, hidden)
+        return _shared_prompt_logprobs(model, prompt_ids, conts, chunk, max_tokens, hidden, heads)
 
 
-def _shared_prompt_logprobs(model, prompt_ids, conts, chunk, max_tokens, hidden):
+def _shared_prompt_logprobs(model, prompt_ids, conts, chunk, max_tokens, hidden, heads=None):
     """shared_prompt_logprobs; hidden: (prompt's, [each continuation's]) inputs_embeds, or None (token ids)."""
     import torch
     from transformers import DynamicCache
@@ -660,6 +662,7 @@ def _shared_prompt_logprobs(model, prompt_ids, conts, chunk, max_tokens, hidden)
     prompt_kv = [(layer.keys, layer.values) for layer in cache_of(out).layers]
     del out
     sums = list(first)
+    head_sums = list(first)
     for group in length_groups([len(c) for c in conts]):
         L = max(len(conts[i]) for i in group)
         rows = len(group) if max_tokens is None else max(1, min(max_tokens // (len(prompt_ids) + L),  # KV cache
@@ -685,9 +688,13 @@ def _shared_prompt_logprobs(model, prompt_ids, conts, chunk, max_tokens, hidden)
             for row, i in enumerate(part):
                 m = len(conts[i]) - 1
                 if m:
-                    sums[i] = sums[i] + token_logprobs(logits[row, :m], ids[row, 1:m + 1], chunk).sum()
+                    lp = token_logprobs(logits[row, :m], ids[row, 1:m + 1], chunk)
+                    sums[i] = sums[i] + lp.sum()
+                    if heads is not None:
+                        head_sums[i] = head_sums[i] + lp[:heads[i] - 1].sum()
             del logits
-    return torch.stack(sums), torch.tensor([float(len(c)) for c in conts], device=device)
+    counts = torch.tensor([float(len(c)) for c in conts], device=device)
+    return (torch.stack(sums), counts) if heads is None else (torch.stack(sums), counts, torch.stack(head_sums))
 
 
 # ----------------------------------------------------------------------------------------------

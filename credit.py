@@ -107,13 +107,23 @@ def class_pairs(states, name):
     """(state, good candidate's index, bad candidate's index, 1 / 0.5 / 0 as the critic `name` orders them;
     ties half) for every two candidates of a labelled state whose true classes differ."""
     for s in states:
-        cls, adv = s.get("classes"), s.get("advantages_by_critic", {}).get(name)
+        cls, adv = s.get("classes"), rank_keys(s, name)
         if not cls or adv is None:
             continue
         for i in range(len(cls)):
             for j in range(len(cls)):
                 if cls[i] == "good" and cls[j] == "bad":
                     yield s, i, j, 1.0 if adv[i] > adv[j] else 0.5 if adv[i] == adv[j] else 0.0
+
+
+def rank_keys(s, name):
+    """How labelling ranked a state's candidates by critic `name`, one comparable key each: (advantage,), or with
+    first-line decisions (label_turns --cross_kind decision) (decision, advantage); None without that critic."""
+    adv = s.get("advantages_by_critic", {}).get(name)
+    dec = s.get("decisions_by_critic", {}).get(name)
+    if adv is None:
+        return None
+    return [(d, a) for d, a in zip(dec, adv)] if dec is not None else [(a,) for a in adv]
 
 
 def credit_by_kind(states, name):
@@ -167,7 +177,7 @@ def answer_over_asking(states, name):
     critic that reads the state ranks answers far higher in the first; one that leans, alike in both."""
     out = {}
     for s in states:
-        adv = s.get("advantages_by_critic", {}).get(name)
+        adv = rank_keys(s, name)
         if adv is None or "told_all" not in s:
             continue
         kinds = [colbench.turn_kind(c) for c in s["candidates"]]
@@ -282,7 +292,9 @@ def rescore(pairs_path, trajectories, critic_dirs, max_len=16384, max_batch_toke
         if traj is None:
             raise common.DataError(f"{pairs_path}.states.jsonl: task {s['task_id']} sample {s['sample']} is not in "
                                    f"{trajectories} (pass the trajectories label_turns.py read)")
-        s["advantages_by_critic"] = scorer.advantages(traj["task"], colbench.agent_turns(traj)[s["turn"]][0], s["candidates"])
+        scored = scorer.advantages(traj["task"], colbench.agent_turns(traj)[s["turn"]][0], s["candidates"],
+                                   decisions="decisions" in s)  # ranked as labelling ranked them
+        s["advantages_by_critic"], s["decisions_by_critic"] = scored if "decisions" in s else (scored, {})
         s["advantages_by_critic"]["untrained"] = [0.0] * len(s["candidates"])
     out = {"states": len(states), "critics": critic_dirs, **accuracies(states, list(groups), ensemble_members(groups))}
     common.write_text(f"{pairs_path}.credit_rescored.json", json.dumps(out, indent=2))

@@ -39,6 +39,9 @@ Deviations from the paper / released code:
 4. The released code draws each pair at random from the two halves (or takes best against worst);
    here the largest gaps come first. On the states of two embedded runs this kept the number of
    pairs and cut the pairs the true classes call wrong from 22 to 14 and from 7 to 3 (docs/curriculum.md).
+5. `--cross_kind decision` (off by default; run.sh's html default) ranks candidates by the advantage of their
+   first line before the whole turn's: a page's mean log-ratio is ~150 tokens the reference page predicts, which
+   makes a critic lean to answering or to asking whatever the state; its first line is the decision alone.
 """
 from __future__ import annotations
 
@@ -111,20 +114,29 @@ class Args:
     """critics and pi_ref scoring the candidates: auto (bf16 weights on a GPU, fp32 on a CPU) | bfloat16 (on a
     CPU: bf16 matmuls, fp32 weights, ~0.7x the scoring time with AVX512-BF16; advantages within ~1e-2 of
     fp32's, models.bf16_matmuls) | float32"""
+    cross_kind: str = "turn"
+    """turn: candidates ranked by their whole turn's advantage (the paper) | decision: ranked first by the advantage
+    of their first line (the decision: the question itself, the answer marker, a draft's opening line), then by the
+    whole turn, so a question, a draft and an answer compare by what they decide, not by a page's ~150 tokens (ours;
+    run.sh LABEL_CROSS_KIND; docs/frontend.md)"""
     keep_frozen: bool = True
     """critics trained with --train_layers from pi_ref share its frozen layers: run those once per state
     for all of them and pi_ref (common.FrozenBottom; the same advantages)"""
 
 
-def make_pairs(candidates, advantages, k, rng):
+def make_pairs(candidates, advantages, k, rng, decisions=None):
     """Up to k distinct pairs: one candidate from the better half and one from the worse half, the
     higher one chosen; identical texts never pair, and no pair of texts repeats. The pairs with the
-    largest advantage gaps come first (the critic's surest preferences; ties in random order)."""
-    order = sorted(range(len(candidates)), key=lambda i: -advantages[i])
+    largest advantage gaps come first (the critic's surest preferences; ties in random order).
+    decisions (--cross_kind decision): each candidate's first-line advantage, which ranks first; the whole
+    turn's advantage orders candidates of one first line (e.g. two answers), and the gap is the first that differs."""
+    key = (lambda i: (decisions[i], advantages[i])) if decisions is not None else (lambda i: (advantages[i],))
+    gap = lambda a, b: next((x - y for x, y in zip(key(a), key(b)) if x != y), 0.0)
+    order = sorted(range(len(candidates)), key=lambda i: [-x for x in key(i)])
     better, worse = order[: len(order) // 2], order[len(order) // 2:]
-    options = [(a, b) for a in better for b in worse if candidates[a] != candidates[b] and advantages[a] > advantages[b]]
+    options = [(a, b) for a in better for b in worse if candidates[a] != candidates[b] and key(a) > key(b)]
     rng.shuffle(options)
-    options.sort(key=lambda p: advantages[p[1]] - advantages[p[0]])  # stable: the shuffle orders equal gaps
+    options.sort(key=lambda p: -gap(*p))  # stable: the shuffle orders equal gaps
     pairs, seen = [], set()
     for a, b in options:
         if len(pairs) < k and (candidates[a], candidates[b]) not in seen:
@@ -143,6 +155,7 @@ def main(args):
                   not 0 < args.top_p <= 1 and "--top_p must be in (0, 1]",
                   args.agent_backend not in ("hf", "openai", "vllm") and "--agent_backend: choose hf, openai or vllm",
                   args.agent_backend == "openai" and not args.agent_url and "--agent_backend openai needs --agent_url",
+                  args.cross_kind not in ("turn", "decision") and f"--cross_kind {args.cross_kind}: choose turn or decision",
                   any("=" not in kv for kv in args.credit_critics.split(",") if kv)
                   and f"--credit_critics {args.credit_critics}: expected NAME=DIR,NAME=DIR")
     critic_dirs, groups = critic_members({"sweet": args.critic, **dict(kv.split("=", 1) for kv in args.credit_critics.split(",") if kv)})
@@ -239,26 +252,48 @@ class Scorer:
         return scorer
 
     @torch.no_grad()
-    def advantages(self, task, prompt, candidates):
+    def advantages(self, task, prompt, candidates, decisions=False):
         """{critic name: [advantage of each candidate]}, train_critic's A(o_t, a_t, c); an ensemble's is the mean of
-        its members' (also in the dict)."""
-        out, ref_scores = {}, {}
+        its members' (also in the dict). decisions: also, second, the same form over each candidate's first line
+        alone (first_line_tokens; from the same pass), equal for candidates whose first lines are the same tokens."""
+        out, dec, ref_scores = {}, {}, {}
         for name, critic in self.critics.items():
             s = self.settings[name]
             prefix = training_info(task, s.get("no_training_info", False))  # c reaches the critic and pi_ref
             prompt_ids, cand_ids = common.encode_shared(self.tok, prefix, prompt, candidates, self.max_len)
-            logp_sum, count = common.shared_prompt_logprobs(critic, prompt_ids, cand_ids, max_tokens=self.max_batch_tokens,
-                                                            bottom=self.bottom)
+            heads = [first_line_tokens(self.tok, c, ids) for c, ids in zip(candidates, cand_ids)] if decisions else None
+            scores = common.shared_prompt_logprobs(critic, prompt_ids, cand_ids, max_tokens=self.max_batch_tokens,
+                                                   bottom=self.bottom, heads=heads)
             if prefix not in ref_scores:  # pi_ref once per distinct input
                 ref_scores[prefix] = common.shared_prompt_logprobs(self.ref, prompt_ids, cand_ids, bottom=self.bottom,
-                                                                   max_tokens=self.max_batch_tokens)[0]
-            out[name] = turn_advantage(logp_sum, ref_scores[prefix], count, s["beta"]).tolist()
+                                                                   max_tokens=self.max_batch_tokens, heads=heads)
+            ref = ref_scores[prefix]
+            out[name] = turn_advantage(scores[0], ref[0], scores[1], s["beta"]).tolist()
+            if decisions:
+                a = turn_advantage(scores[2], ref[2], torch.tensor(heads, dtype=scores[2].dtype), s["beta"]).tolist()
+                same = {}  # one first line, one decision: the mean over its candidates (batches differ in the last bits)
+                for i, ids in enumerate(cand_ids):
+                    same.setdefault(tuple(ids[:heads[i]]), []).append(a[i])
+                dec[name] = [sum(v) / len(v) for v in (same[tuple(ids[:h])] for ids, h in zip(cand_ids, heads))]
         for name, members in self.groups.items():
             if len(members) > 1:
-                out[name] = [sum(a) / len(a) for a in zip(*(out[m] for m in members))]
+                for d in (out, dec) if decisions else (out,):
+                    d[name] = [sum(a) / len(a) for a in zip(*(d[m] for m in members))]
         if self.bottom is not None:
             self.bottom.kept.clear()  # this state's frozen-layer states are not needed again
-        return out
+        return (out, dec) if decisions else out
+
+def first_line_tokens(tok, candidate, ids):
+    """How many of a candidate's token ids (its encoding + end of turn, common.encode_shared) are its decision: all of
+    them for a one-line turn (a question decides by what it asks), else those of its first line ("I WANT TO ANSWER:",
+    a draft's opening line): the longest start of ids that the first line alone encodes to (at least 1)."""
+    first = candidate.split("\n", 1)[0]
+    if "\n" not in candidate.strip() or not first.strip():
+        return len(ids)
+    alone = tok(first, add_special_tokens=False)["input_ids"]
+    n = next((i for i, (x, y) in enumerate(zip(alone, ids)) if x != y), min(len(alone), len(ids)))
+    return max(1, n)
+
 
 def label(args, todo, critic_dirs, groups, critic_settings, ref_name, policy_name, rng, pairs_out, state_log):
     """Sample, score and pair the candidates of every state in todo; one states.jsonl row per state."""
@@ -282,27 +317,31 @@ def label(args, todo, critic_dirs, groups, critic_settings, ref_name, policy_nam
         sampled = sampler.generate([prompt for _, _, prompt in chunk for _ in range(args.num_candidates)], keys)
         for j, state in enumerate(chunk):  # the policy never sees c
             candidates = sampled[j * args.num_candidates:(j + 1) * args.num_candidates]
-            label_state(state, candidates, scorer, args.pairs_per_state, rng, pairs_out, state_log)
+            label_state(state, candidates, scorer, args.pairs_per_state, rng, pairs_out, state_log, args.cross_kind == "decision")
             bar.update(1)
     bar.close()
     scorer.classes.close()
 
 
-def label_state(state, candidates, scorer, pairs_per_state, rng, pairs_out, state_log):
-    """Score one state's candidates with every critic, write its pairs and its states.jsonl row."""
+def label_state(state, candidates, scorer, pairs_per_state, rng, pairs_out, state_log, decide=False):
+    """Score one state's candidates with every critic, write its pairs and its states.jsonl row. decide: rank
+    by the first line's advantage first (--cross_kind decision)."""
     traj, turn, prompt = state
-    advantages = scorer.advantages(traj["task"], prompt, candidates)
+    advantages, decisions = scorer.advantages(traj["task"], prompt, candidates, decisions=True) if decide else \
+        (scorer.advantages(traj["task"], prompt, candidates), None)
     advantage = advantages["sweet"]
     base = {"task_id": traj["task_id"], "sample": traj.get("sample", 0), "turn": turn}
-    for a, b in make_pairs(candidates, advantage, pairs_per_state, rng):
+    for a, b in make_pairs(candidates, advantage, pairs_per_state, rng, decisions and decisions["sweet"]):
         pairs_out.write({"prompt": prompt, "chosen": candidates[a], "rejected": candidates[b],
                          "chosen_advantage": advantage[a], "rejected_advantage": advantage[b], **base})
-    row = {**base, "candidates": candidates, "advantages": advantage}
+    row = {**base, "candidates": candidates, "advantages": advantage, **({"decisions": decisions["sweet"]} if decide else {})}
     classes = scorer.classes(traj, turn, candidates)
     if classes is not None:  # procedural task: every candidate's true class
         row["classes"] = classes
         row["told_all"] = colbench.knows_every_fact(traj["task"], credit.state_dialogue(traj, turn))
         row["advantages_by_critic"] = advantages
+        if decide:
+            row["decisions_by_critic"] = decisions
     state_log.write(row)
 
 

@@ -86,6 +86,8 @@ LR_CRITIC=${LR_CRITIC:-1e-4}          # chosen by turn-credit accuracy on the st
 SELECT_SIGNIFICANT=${SELECT_SIGNIFICANT:-0}  # 1: keep a snapshot only when its validation gain's paired 95% interval is above 0, else the start
                                       # (html, 15 updates: 5 losses and 3 wins replaced by the start; docs/frontend.md)
 DPO_CROSS_KIND=${DPO_CROSS_KIND:-turn}  # SWEET-RL's DPO on pairs of different turn kinds: turn (every token) | decision (first lines; train_dpo.py)
+LABEL_CROSS_KIND=${LABEL_CROSS_KIND:-turn}  # labelling ranks candidates by: turn (the whole turn's advantage, paper) | decision
+                                      # (first the first line's, the question, draft or answer decided; label_turns.py)
 LR_DPO=${LR_DPO:-6e-6}               # chosen on validation tasks (seed 100) over 3e-6 and 1e-5 (docs/curriculum.md, "How far turn-level DPO moves the policy")
 TRAIN_LAYERS=${TRAIN_LAYERS:-$([ "$MODEL" = embedded ] && echo 10 || echo 0)}  # critic/DPO train only the top N layers (0 = all; README, deviations)
 CRITIC_EPOCHS=${CRITIC_EPOCHS:-2}
@@ -115,7 +117,7 @@ CLIP_MODEL=${CLIP_MODEL:-}            # html: a local CLIP model; empty = the na
 PROMPT_DIR=${PROMPT_DIR:-}            # prompt templates replacing ours (e.g. a released checkout's prompts/)
 
 KNOWN="SMALL TRAIN_TASKS TEST_TASKS RUN MODEL WARMUP N_WARMUP WARMUP_FAMILIES ORACLE_HASTY WARM_BAND WARMUP_TRIES HASTY_STEP ORACLE_DETOUR N_TRAIN N_TEST N_VAL VAL_SAMPLES SNAPSHOTS SAMPLES ORACLE_SAMPLES
-  CANDIDATES PAIRS_PER_STATE DATA_FRACTION DPO_EPOCHS DPO_CROSS_KIND SELECT_SIGNIFICANT TEMPERATURE TRAIN_TEMPERATURE TOP_P MAX_TURNS MAX_NEW_TOKENS LR_WARMUP LR_CRITIC LR_DPO
+  CANDIDATES PAIRS_PER_STATE DATA_FRACTION DPO_EPOCHS DPO_CROSS_KIND LABEL_CROSS_KIND SELECT_SIGNIFICANT TEMPERATURE TRAIN_TEMPERATURE TOP_P MAX_TURNS MAX_NEW_TOKENS LR_WARMUP LR_CRITIC LR_DPO
   CRITIC_EPOCHS FEWER_TURNS PAIR_FACTS GROUP_BY_TASK CRITICS CREDIT_VARIANTS TRAIN_LAYERS BATCH_SIZE NPROC AGENT_BACKEND GRAD_CKPT TRAIN_DTYPE WARMUP_DTYPE DECODE_DTYPE SCORE_DTYPE SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL PROMPT_DIR REPORT_DIALOGUES SETUP PY"
 echo "run.sh: run directory $RUN$([ -d "$RUN" ] && echo ' (exists: finished stages are reused)')"
 for v in OUT_DIR OUTPUT_DIR RUN_DIR OUTPUT; do  # easy mistakes: run.sh reads RUN
@@ -284,7 +286,8 @@ fi
 sample "$RUN/pairs.jsonl" label_turns.py --trajectories "$RUN/train_graded.jsonl" --critic "$SWEET_CRITIC" --output "$RUN/pairs.jsonl" \
   --agent_backend "$AGENT_BACKEND" --decode_dtype "$DECODE_DTYPE" --score_dtype "$SCORE_DTYPE" \
   --num_candidates "$CANDIDATES" --pairs_per_state "$PAIRS_PER_STATE" --data_fraction "$DATA_FRACTION" \
-  --temperature 1.0 --max_new_tokens "$MAX_NEW_TOKENS" --max_turns "$MAX_TURNS" --seed "$SEED" "${variants[@]}"
+  --temperature 1.0 --max_new_tokens "$MAX_NEW_TOKENS" --max_turns "$MAX_TURNS" --seed "$SEED" --cross_kind "$LABEL_CROSS_KIND" \
+  "${variants[@]}"
 if [ "$NPROC" -gt 1 ] && [ -z "$TRAIN_TASKS" ]; then "$PY" credit.py --pairs "$RUN/pairs.jsonl"; fi  # over all shards
 have "$RUN/policy_sweet" || train train_dpo.py --mode turn --pairs "$RUN/pairs.jsonl" --model "$POLICY" \
   --output_dir "$RUN/policy_sweet" --lr "$LR_DPO" --epochs "$DPO_EPOCHS" --seed "$SEED" --train_layers "$TRAIN_LAYERS" \

@@ -126,6 +126,21 @@ def test_answer_over_asking_splits_states_where_every_fact_was_told():
     assert credit.answer_over_asking(states, "other") == {}
 
 
+def test_credit_ranks_as_labelling_ranked_by_decisions():
+    """With first-line decisions (label_turns --cross_kind decision) the diagnostics judge the order labelling used:
+    the decision first, the whole turn within one decision; a critic without decisions keeps its whole-turn order."""
+    answer = f"{colbench.ANSWER_MARKER}\n<html><body>a</body></html>"
+    state = {"candidates": ["Which colour?", answer, answer + " "], "classes": ["good", "bad", "good"], "told_all": False,
+             "advantages_by_critic": {"c": [0.1, 0.9, 0.2], "n": [0.1, 0.9, 0.2]},
+             "decisions_by_critic": {"c": [0.5, -0.3, -0.3]}}
+    assert credit.rank_keys(state, "c") == [(0.5, 0.1), (-0.3, 0.9), (-0.3, 0.2)] and credit.rank_keys(state, "x") is None
+    # c: the question above both answers (right once, over the bad one; wrong once, over the good one)
+    assert credit.credit_accuracy([state], "c") == (0.5, 2)
+    assert credit.credit_accuracy([state], "n") == (0.0, 2)  # whole turns: the bad answer above both good turns
+    assert credit.answer_over_asking([state], "c") == {"not_yet": [0.0, 2]}
+    assert credit.answer_over_asking([state], "n") == {"not_yet": [1.0, 2]}
+
+
 def test_dpo_pair_classes_judge_each_pair_by_its_state():
     key = {"task_id": "t", "sample": 0}
     states = [{**key, "turn": 0, "candidates": ["ask x", "answer", "ask y"], "classes": ["good", "bad", "bad"]},

@@ -91,7 +91,7 @@ def test_run_sh_html_loop(tiny_model, tmp_path):
            "SAMPLES": "1", "ORACLE_SAMPLES": "1",
            "CANDIDATES": "2", "PAIRS_PER_STATE": "1", "DATA_FRACTION": "1.0", "MAX_TURNS": "4", "MAX_NEW_TOKENS": "8",
            "LR_CRITIC": "1e-3", "LR_DPO": "1e-3", "CRITIC_EPOCHS": "1", "OMP_NUM_THREADS": "1", "N_VAL": "2", "VAL_SAMPLES": "1",
-           "CRITICS": "2", "SCORE_DTYPE": "auto"}  # fp32 scoring, as credit.py's below
+           "CRITICS": "2", "SCORE_DTYPE": "auto", "LABEL_CROSS_KIND": "decision"}  # fp32 scoring, as credit.py's below
     p = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     table = (tmp_path / "run" / "results.txt").read_text()
@@ -112,9 +112,18 @@ def test_run_sh_html_loop(tiny_model, tmp_path):
         assert settings["pair_facts"] is True  # html's default: pairs by design facts right, then similarity
     states = read(tmp_path / "run" / "pairs.jsonl.states.jsonl")  # every labelled state has its true classes
     assert states and all(set(st["classes"]) <= {"good", "bad"} for st in states)
-    for st in states:  # the pairs were ranked by the two critics' mean advantage
-        by = st["advantages_by_critic"]
+    for st in states:  # the pairs were ranked by the two critics' mean advantage, first lines first (LABEL_CROSS_KIND)
+        by, dec = st["advantages_by_critic"], st["decisions_by_critic"]
         assert st["advantages"] == by["sweet"] == pytest.approx([(a + b) / 2 for a, b in zip(by["sweet/1"], by["sweet/2"])])
+        assert st["decisions"] == dec["sweet"] == pytest.approx([(a + b) / 2 for a, b in zip(dec["sweet/1"], dec["sweet/2"])])
+        for c, d, a in zip(st["candidates"], dec["sweet/1"], by["sweet/1"]):
+            assert "\n" in c.strip() or d == pytest.approx(a, abs=1e-6)  # a one-line turn is all decision
+    assert json.loads((tmp_path / "run" / "pairs.jsonl.run_settings.json").read_text())["cross_kind"] == "decision"
+    keys = {(st["task_id"], st["sample"], st["turn"], c): k for st in states
+            for c, k in zip(st["candidates"], credit.rank_keys(st, "sweet"))}
+    pairs = read(tmp_path / "run" / "pairs.jsonl")
+    assert pairs and all(keys[(q["task_id"], q["sample"], q["turn"], q["chosen"])] >
+                         keys[(q["task_id"], q["sample"], q["turn"], q["rejected"])] for q in pairs)
     # credit.py --critics takes an ensemble as DIR+DIR and scores the stored candidates as label_turns did
     run = tmp_path / "run"
     subprocess.run([sys.executable, "credit.py", "--pairs", run / "pairs.jsonl", "--trajectories", run / "train_graded.jsonl",

@@ -329,6 +329,37 @@ def test_pairs_come_from_opposite_halves_largest_gaps_first():
     assert label_turns.make_pairs(["same"] * 4, [1, 2, 3, 4], 4, rng) == []  # identical candidates never pair
 
 
+def test_pairs_by_decision_rank_first_lines_before_whole_turns():
+    """--cross_kind decision: the first line's advantage ranks first, the whole turn's orders one first line; the gap
+    that sorts the pairs is the first that differs. Without decisions, the whole turn's order as before."""
+    cands = ["Q: colour?", "I WANT TO ANSWER:\n<p>a</p>", "I WANT TO ANSWER:\n<p>b</p>", "Q: boxes?"]
+    whole = [0.1, 0.9, 0.5, -0.2]      # the pages' ~150 tokens: answers look best
+    decision = [0.3, -0.4, -0.4, 0.2]  # the decision: asking looks best here
+    rng = random.Random(0)
+    assert label_turns.make_pairs(cands, whole, 4, rng) == [(1, 3), (1, 0), (2, 3), (2, 0)]
+    pairs = label_turns.make_pairs(cands, whole, 4, rng, decision)
+    assert set(pairs[:2]) == {(0, 1), (0, 2)} and set(pairs[2:]) == {(3, 1), (3, 2)}  # questions over answers, surest first
+    assert label_turns.make_pairs(cands[1:3], whole[1:3], 1, rng, decision[1:3]) == [(0, 1)]  # one first line: whole turn
+
+
+def test_first_line_tokens_and_head_logprobs(tok_model):
+    """A turn's decision is its first line's tokens (a one-line turn's: all of them, end of turn included), and
+    shared_prompt_logprobs' head sums equal scoring those tokens alone, from the same pass."""
+    tok, model = tok_model
+    prompt = models.render_prompt(tok, colbench.agent_messages(TASK, [{"role": "user", "content": TASK["problem_description"]}]))
+    cands = ["What is the factor?", "I WANT TO ANSWER:\ndef f(x):\n    return x * 2", "Here is a draft.\n<p>x</p>"]
+    p_ids, c_ids = common.encode_shared(tok, "", prompt, cands, 4096)
+    heads = [label_turns.first_line_tokens(tok, c, ids) for c, ids in zip(cands, c_ids)]
+    assert heads[0] == len(c_ids[0])  # a question decides by all it says
+    for c, ids, h in zip(cands[1:], c_ids[1:], heads[1:]):
+        assert tok.decode(ids[:h]) == c.split("\n")[0] and 1 <= h < len(ids)
+    with torch.no_grad():
+        sums, counts, head_sums = common.shared_prompt_logprobs(model, p_ids, c_ids, heads=heads)
+        alone, _ = common.shared_prompt_logprobs(model, p_ids, [ids[:h] for ids, h in zip(c_ids, heads)])
+        assert torch.allclose(head_sums, alone, atol=1e-4) and torch.allclose(head_sums[0], sums[0])
+        assert torch.equal(sums, common.shared_prompt_logprobs(model, p_ids, c_ids)[0])  # the whole turns as without heads
+
+
 def test_dpo_loss_and_metrics_match_reference():
     logp_c, logp_r = torch.tensor([-5.0, -3.0]), torch.tensor([-6.0, -2.0])
     ref_c, ref_r = torch.tensor([-5.5, -3.0]), torch.tensor([-5.0, -2.5])

@@ -39,7 +39,7 @@ Deviations from the paper / released code:
 4. The released code draws each pair at random from the two halves (or takes best against worst);
    here the largest gaps come first. On the states of two embedded runs this kept the number of
    pairs and cut the pairs the true classes call wrong from 22 to 14 and from 7 to 3 (docs/curriculum.md).
-5. `--cross_kind decision` (off by default; run.sh's html default) ranks candidates by the advantage of their
+5. `--cross_kind decision` (ours, off by default; run.sh LABEL_CROSS_KIND) ranks candidates by the advantage of their
    first line before the whole turn's: a page's mean log-ratio is ~150 tokens the reference page predicts, which
    makes a critic lean to answering or to asking whatever the state; its first line is the decision alone.
 """
@@ -118,7 +118,7 @@ class Args:
     """turn: candidates ranked by their whole turn's advantage (the paper) | decision: ranked first by the advantage
     of their first line (the decision: the question itself, the answer marker, a draft's opening line), then by the
     whole turn, so a question, a draft and an answer compare by what they decide, not by a page's ~150 tokens (ours;
-    run.sh LABEL_CROSS_KIND; docs/frontend.md)"""
+    run.sh LABEL_CROSS_KIND; docs/frontend.md, "A decision ranked by its first line")"""
     keep_frozen: bool = True
     """critics trained with --train_layers from pi_ref share its frozen layers: run those once per state
     for all of them and pi_ref (common.FrozenBottom; the same advantages)"""

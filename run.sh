@@ -88,7 +88,7 @@ SELECT_SIGNIFICANT=${SELECT_SIGNIFICANT:-0}  # 1: keep a snapshot only when its 
 DPO_CROSS_KIND=${DPO_CROSS_KIND:-turn}  # SWEET-RL's DPO on pairs of different turn kinds: turn (every token) | decision (first lines; train_dpo.py)
 LABEL_CROSS_KIND=${LABEL_CROSS_KIND:-turn}  # labelling ranks candidates by: turn (the whole turn's advantage, paper) | decision
                                       # (first the first line's: the question, draft or answer decided; ours). html: validation
-                                      # preferred it on one of three stored draws, test met both targets on two (docs/frontend.md)
+                                      # preferred it on two of four stored draws, a tie; off (docs/frontend.md)
 LR_DPO=${LR_DPO:-6e-6}               # chosen on validation tasks (seed 100) over 3e-6 and 1e-5 (docs/curriculum.md, "How far turn-level DPO moves the policy")
 TRAIN_LAYERS=${TRAIN_LAYERS:-$([ "$MODEL" = embedded ] && echo 10 || echo 0)}  # critic/DPO train only the top N layers (0 = all; README, deviations)
 CRITIC_EPOCHS=${CRITIC_EPOCHS:-2}

@@ -283,6 +283,7 @@ class Scorer:
             self.bottom.kept.clear()  # this state's frozen-layer states are not needed again
         return (out, dec) if decisions else out
 
+
 def first_line_tokens(tok, candidate, ids):
     """How many of a candidate's token ids (its encoding + end of turn, common.encode_shared) are its decision: all of
     them for a one-line turn (a question decides by what it asks), else those of its first line ("I WANT TO ANSWER:",

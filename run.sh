@@ -36,6 +36,10 @@ if [ "${TASK_TYPE:-code}" = html ] && [ "${SMALL:-0}" != 1 ] && [ -z "${TRAIN_TA
   # turns' first lines, not the rejected page; on validation, 3 of 4 stored updates kept a better snapshot with it
   # (+12.0, +0.5, +10.7, +7.4 against +11.7, +2.1, +4.2, +6.1; docs/frontend.md, "Pairs of different kinds")
   : "${DPO_CROSS_KIND:=decision}"
+  # LABEL_CROSS_KIND decision: labelling ranks a question, draft or answer by the critic's advantage on its first
+  # line before the whole turn's; validation kept a better update with it on 3 of 5 draws (SEED=5, 8, 9: +5.9, +14.9,
+  # +3.6 against +3.3, +3.8, the start; docs/frontend.md, "A decision ranked by its first line")
+  : "${LABEL_CROSS_KIND:=decision}"
   : "${REPORT_DIALOGUES:=20}"  # the viewer over html dialogues took 3.8 min at 40 per method
   # TRAIN_DTYPE bfloat16 where the CPU has bf16 instructions: the critics and DPO under bf16 autocast (fp32
   # weights), the warm-up SFT still fp32 (WARMUP_DTYPE auto), as a bf16 warm-up is another starting policy
@@ -87,8 +91,7 @@ SELECT_SIGNIFICANT=${SELECT_SIGNIFICANT:-0}  # 1: keep a snapshot only when its 
                                       # (html, 15 updates: 5 losses and 3 wins replaced by the start; docs/frontend.md)
 DPO_CROSS_KIND=${DPO_CROSS_KIND:-turn}  # SWEET-RL's DPO on pairs of different turn kinds: turn (every token) | decision (first lines; train_dpo.py)
 LABEL_CROSS_KIND=${LABEL_CROSS_KIND:-turn}  # labelling ranks candidates by: turn (the whole turn's advantage, paper) | decision
-                                      # (first the first line's: the question, draft or answer decided; ours). html: validation
-                                      # preferred it on two of four stored draws, a tie; off (docs/frontend.md)
+                                      # (first the first line's: the question, draft or answer decided; ours; html's default)
 LR_DPO=${LR_DPO:-6e-6}               # chosen on validation tasks (seed 100) over 3e-6 and 1e-5 (docs/curriculum.md, "How far turn-level DPO moves the policy")
 TRAIN_LAYERS=${TRAIN_LAYERS:-$([ "$MODEL" = embedded ] && echo 10 || echo 0)}  # critic/DPO train only the top N layers (0 = all; README, deviations)
 CRITIC_EPOCHS=${CRITIC_EPOCHS:-2}

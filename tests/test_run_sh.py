@@ -62,6 +62,7 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
         assert st["told_all"] == colbench.knows_every_fact(traj["task"], credit.state_dialogue(traj, st["turn"]))
     assert report["answer_over_asking"]["sweet"] == credit.answer_over_asking(states, "sweet")
     assert json.loads((tmp_path / "run" / "critic" / "run_settings.json").read_text())["pair_facts"] is False  # code
+    assert json.loads((tmp_path / "run" / "pairs.jsonl.run_settings.json").read_text())["cross_kind"] == "turn"  # the paper's
     # credit.py --critics: the stored candidates scored anew; the same critic gives the same accuracy
     run = tmp_path / "run"
     subprocess.run([sys.executable, "credit.py", "--pairs", run / "pairs.jsonl", "--trajectories", run / "train_graded.jsonl",
@@ -85,13 +86,14 @@ def test_run_sh_html_loop(tiny_model, tmp_path):
     The warm-up SFT trains in WARMUP_DTYPE (html: auto, fp32 here), the critics and DPO in TRAIN_DTYPE (html:
     bf16 where the CPU has bf16 instructions); an empty WARM_BAND skips the warm-up's calibration. CRITICS=2: two
     critics of each kind (seeds SEED and SEED+1000: 0 and 1000), the candidates ranked by their mean advantage.
-    html's default PAIR_FACTS=1: the critics' pairs ranked by the design facts evaluate.py counts, then similarity."""
+    html's default PAIR_FACTS=1: the critics' pairs ranked by the design facts evaluate.py counts, then similarity;
+    its LABEL_CROSS_KIND=decision: labelling ranks a candidate's first line before the whole turn."""
     env = {**os.environ, "SETUP": "0", "PY": sys.executable, "RUN": str(tmp_path / "run"), "MODEL": tiny_model,
            "TASK_TYPE": "html", "WARMUP": "1", "N_WARMUP": "2", "WARM_BAND": "", "N_TRAIN": "2", "N_TEST": "2",
            "SAMPLES": "1", "ORACLE_SAMPLES": "1",
            "CANDIDATES": "2", "PAIRS_PER_STATE": "1", "DATA_FRACTION": "1.0", "MAX_TURNS": "4", "MAX_NEW_TOKENS": "8",
            "LR_CRITIC": "1e-3", "LR_DPO": "1e-3", "CRITIC_EPOCHS": "1", "OMP_NUM_THREADS": "1", "N_VAL": "2", "VAL_SAMPLES": "1",
-           "CRITICS": "2", "SCORE_DTYPE": "auto", "LABEL_CROSS_KIND": "decision"}  # fp32 scoring, as credit.py's below
+           "CRITICS": "2", "SCORE_DTYPE": "auto"}  # fp32 scoring, as credit.py's below
     p = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     table = (tmp_path / "run" / "results.txt").read_text()
@@ -112,7 +114,7 @@ def test_run_sh_html_loop(tiny_model, tmp_path):
         assert settings["pair_facts"] is True  # html's default: pairs by design facts right, then similarity
     states = read(tmp_path / "run" / "pairs.jsonl.states.jsonl")  # every labelled state has its true classes
     assert states and all(set(st["classes"]) <= {"good", "bad"} for st in states)
-    for st in states:  # the pairs were ranked by the two critics' mean advantage, first lines first (LABEL_CROSS_KIND)
+    for st in states:  # the pairs were ranked by the two critics' mean advantage, first lines first (html's default)
         by, dec = st["advantages_by_critic"], st["decisions_by_critic"]
         assert st["advantages"] == by["sweet"] == pytest.approx([(a + b) / 2 for a, b in zip(by["sweet/1"], by["sweet/2"])])
         assert st["decisions"] == dec["sweet"] == pytest.approx([(a + b) / 2 for a, b in zip(dec["sweet/1"], dec["sweet/2"])])

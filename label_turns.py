@@ -39,9 +39,10 @@ Deviations from the paper / released code:
 4. The released code draws each pair at random from the two halves (or takes best against worst);
    here the largest gaps come first. On the states of two embedded runs this kept the number of
    pairs and cut the pairs the true classes call wrong from 22 to 14 and from 7 to 3 (docs/curriculum.md).
-5. `--cross_kind decision` (ours, off by default; run.sh LABEL_CROSS_KIND) ranks candidates by the advantage of their
-   first line before the whole turn's: a page's mean log-ratio is ~150 tokens the reference page predicts, which
-   makes a critic lean to answering or to asking whatever the state; its first line is the decision alone.
+5. `--cross_kind decision` (ours; off here, run.sh's html default: LABEL_CROSS_KIND) ranks candidates by the
+   advantage of their first line before the whole turn's: a page's mean log-ratio is ~150 tokens the reference
+   page predicts, which makes a critic lean to answering or to asking whatever the state; its first line is the
+   decision alone.
 """
 from __future__ import annotations
 

@@ -395,6 +395,9 @@ class HFSampler:
                     if n:
                         k[i, :, Lc - n:], v[i, :, Lc - n:] = (t[0, :, :n] for t in old[d][1][layer])
                 cache.update(k, v, layer)
+        # the batch's cache now holds a copy of every reused prefix: drop the dialogues' own caches before decoding, or
+        # they, the batch's and the new ones the rows leave with are three copies of the dialogues at the peak
+        self.cache, old, some, k0, v0, k, v = {}, None, None, None, None, None, None
         new, kv = self._generate(input_ids.to(self.device), mask.to(self.device), cache, keep_cache=True)
         self.cache = {d: (x + gen[:-1], layers) for d, x, gen, layers in zip(dialogues, ids, new, kv)}  # absent dialogues have ended
         return self.tok.batch_decode(new, skip_special_tokens=True)

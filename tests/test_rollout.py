@@ -78,6 +78,30 @@ def test_kv_cache_reuse_across_turns_changes_nothing(tiny_model, task_files, sim
             d += [{"role": "assistant", "content": o}, {"role": "user", "content": f"Reply {turn}."}]
 
 
+def test_reused_caches_are_freed_before_decoding(tiny_model):
+    """A turn copies each dialogue's cached prefix into the batch's KV cache; the dialogues' own caches must be
+    released before decoding starts, or they stay a third copy of every dialogue at the memory peak (beside the
+    batch's cache and the new caches the rows leave with), as they did on long html dialogues."""
+    import gc
+    import weakref
+    sampler = models.HFSampler(tiny_model, 1.0, 1.0, 6, reuse_cache=True)
+    dialogues = [[{"role": "user", "content": "Write f(x)."}], [{"role": "user", "content": "Write g(x, y)."}]]
+    prompts = lambda: [models.render_prompt(sampler.tok, colbench.agent_messages({}, d)) for d in dialogues]
+    for d, o in zip(dialogues, sampler.generate(prompts(), ["d0/0", "d1/0"])):
+        d += [{"role": "assistant", "content": o}, {"role": "user", "content": "Go on."}]
+    refs = [weakref.ref(t) for _, layers in sampler.cache.values() for kv in layers for t in kv]
+    alive, decode = [], sampler._generate
+
+    def spy(*args, **kwargs):  # what is still held when decoding starts
+        gc.collect()
+        alive.append(sum(r() is not None for r in refs))
+        return decode(*args, **kwargs)
+    sampler._generate = spy
+    sampler.generate(prompts(), ["d0/1", "d1/1"])
+    assert len(refs) == 2 * 2 * sampler.model.config.num_hidden_layers and alive == [0]
+    assert sampler.prompt_tokens["reused"] > 0 and set(sampler.cache) == {"d0", "d1"}  # the cache was used, and kept anew
+
+
 def test_prefixes_continue_each_dialogue_from_its_last_message(tiny_model, task_files, simulator_url, tmp_path):
     """rollout.py --prefixes (bench/mc_credit.py's continuations): the given messages are kept as they are; the
     human answers first where the agent spoke last; a dialogue its last agent turn ended is written at once."""

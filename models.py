@@ -367,12 +367,11 @@ class HFSampler:
         would alone."""
         torch = self.torch
         ids = [self.tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        old = self.cache  # replaced below by this call's dialogues
         reuse = []
         for d, x in zip(dialogues, ids):
             n = 0
-            if d in old:
-                c = old[d][0]
+            if d in self.cache:
+                c = self.cache[d][0]
                 while n < min(len(c), len(x) - 1) and c[n] == x[n]:  # at least one new token runs
                     n += 1
             reuse.append(n)
@@ -384,23 +383,28 @@ class HFSampler:
         for i, (x, n) in enumerate(zip(ids, reuse)):
             input_ids[i, Lc - n:Lc], mask[i, Lc - n:Lc] = torch.tensor(x[:n], dtype=torch.long), 1
             input_ids[i, Lc + Ls - (len(x) - n):], mask[i, Lc + Ls - (len(x) - n):] = torch.tensor(x[n:], dtype=torch.long), 1
-        cache = None
-        if Lc:
-            cache = growing_cache(Ls + self.max_new_tokens)
-            some = next(old[d] for d, n in zip(dialogues, reuse) if n)[1]  # shapes
-            for layer, (k0, v0) in enumerate(some):
-                k = k0.new_zeros((B, k0.shape[1], Lc, k0.shape[3]))
-                v = v0.new_zeros((B, v0.shape[1], Lc, v0.shape[3]))
-                for i, (d, n) in enumerate(zip(dialogues, reuse)):
-                    if n:
-                        k[i, :, Lc - n:], v[i, :, Lc - n:] = (t[0, :, :n] for t in old[d][1][layer])
-                cache.update(k, v, layer)
+        cache = self._prefix_cache(dialogues, reuse, Ls) if Lc else None
         # the batch's cache now holds a copy of every reused prefix: drop the dialogues' own caches before decoding, or
         # they, the batch's and the new ones the rows leave with are three copies of the dialogues at the peak
-        self.cache, old, some, k0, v0, k, v = {}, None, None, None, None, None, None
+        self.cache = {}
         new, kv = self._generate(input_ids.to(self.device), mask.to(self.device), cache, keep_cache=True)
         self.cache = {d: (x + gen[:-1], layers) for d, x, gen, layers in zip(dialogues, ids, new, kv)}  # absent dialogues have ended
         return self.tok.batch_decode(new, skip_special_tokens=True)
+
+    def _prefix_cache(self, dialogues, reuse, Ls):
+        """The batch's KV cache of generate_reusing: row i holds the first reuse[i] cached tokens of dialogue i,
+        right-aligned after left padding, with room for Ls prompt and max_new_tokens new tokens."""
+        B, Lc = len(dialogues), max(reuse)
+        cache = growing_cache(Ls + self.max_new_tokens)
+        some = next(self.cache[d] for d, n in zip(dialogues, reuse) if n)[1]  # shapes
+        for layer, (k0, v0) in enumerate(some):
+            k = k0.new_zeros((B, k0.shape[1], Lc, k0.shape[3]))
+            v = v0.new_zeros((B, v0.shape[1], Lc, v0.shape[3]))
+            for i, (d, n) in enumerate(zip(dialogues, reuse)):
+                if n:
+                    k[i, :, Lc - n:], v[i, :, Lc - n:] = (t[0, :, :n] for t in self.cache[d][1][layer])
+            cache.update(k, v, layer)
+        return cache
 
 
 class SeededRequests:

@@ -99,6 +99,9 @@ class Args:
     """oracle backend: share of dialogues with a budget of fewer questions than facts, guessing the rest"""
     oracle_detour: float = 0.0
     """oracle backend: chance that a question is wasted (asks again about a revealed fact, or about nothing the facts cover)"""
+    oracle_stall: float = 0.0
+    """oracle backend: share of complete dialogues that, once every fact is known, never answer: they ask wasted
+    questions until the turns run out (a contrast for the critic: asking after the human has told everything)"""
     decode_dtype: str = "auto"
     """hf backend: auto (bf16 weights on a GPU, fp32 on a CPU) | bfloat16 (on a CPU: bf16 matmuls, fp32 weights;
     ~0.7x a decoding step where the CPU has AVX512-BF16, models.bf16_matmuls) | float32"""
@@ -173,12 +176,16 @@ def html_oracle_turn(task, dialogue, turn, plan, rng, args):
     page = lambda: generate_tasks.design_page({k: v if k not in hidden or colbench.design_fact(k, v) in known else guess[k]
                                                for k, v in design.items()}, title)
     budget = plan.randrange(len(facts)) if plan.random() < args.oracle_hasty else None
+    stall = args.oracle_stall > 0 and budget is None and plan.random() < args.oracle_stall  # drawn last: the rest as without
     approved = dialogue[-1]["role"] == "user" and dialogue[-1]["content"].startswith("Yes, that is")
+    heard = sorted(k for k, v in hidden.items() if colbench.design_fact(k, v) in known)
+    wasted = lambda: DESIGN_QUESTIONS[rng.choice(heard)] if heard and rng.random() < 0.5 else rng.choice(HTML_DETOURS)
+    if stall and (len(known) == len(facts) or approved or turn >= args.max_turns - 1):
+        return wasted()
     if len(known) == len(facts) or approved or (budget is not None and turn >= budget) or turn >= args.max_turns - 1:
         return f"{colbench.ANSWER_MARKER}\n{page()}"
     if rng.random() < args.oracle_detour:
-        heard = sorted(k for k, v in hidden.items() if colbench.design_fact(k, v) in known)
-        return DESIGN_QUESTIONS[rng.choice(heard)] if heard and rng.random() < 0.5 else rng.choice(HTML_DETOURS)
+        return wasted()
     if rng.random() < 0.5:
         return f"Here is a draft. What should change?\n{page()}"
     return DESIGN_QUESTIONS[next(k for k, v in hidden.items() if colbench.design_fact(k, v) not in known)]
@@ -192,7 +199,9 @@ class OracleAgent:
     guessed (guess_answer). With --oracle_detour q, each question is (with probability q) a wasted
     one: it asks again about a fact already revealed, or about something the facts never cover.
     A wasted question spends the budget too, so a hasty dialogue that detours learns fewer facts:
-    asking the wrong thing costs the outcome, the turn mistake SWEET-RL's critic must find.
+    asking the wrong thing costs the outcome, the turn mistake SWEET-RL's critic must find. With
+    --oracle_stall s, a complete dialogue (with probability s) never answers: once every fact is known it
+    asks wasted questions until the turns run out, the opposite mistake (asking when nothing is left to ask).
     Draws are seeded by (seed, task, sample, turn): reruns are identical."""
 
     def __init__(self, model, args):
@@ -213,12 +222,14 @@ class OracleAgent:
             facts = colbench.hidden_facts(task)
             known = colbench.revealed_facts(task, ep["dialogue"])
             budget = plan.randrange(len(facts)) if plan.random() < a.oracle_hasty else None
-            if len(known) == len(facts) or (budget is not None and turn >= budget) or turn >= a.max_turns - 1:
-                code = task["ground_truth"].strip() if len(known) == len(facts) else guess_answer(task, known, plan)
-                outs.append(f"{colbench.ANSWER_MARKER}\n{code}")
-            elif self.rng(ep, turn).random() < a.oracle_detour:
+            stall = a.oracle_stall > 0 and budget is None and plan.random() < a.oracle_stall
+            answer_now = len(known) == len(facts) or (budget is not None and turn >= budget) or turn >= a.max_turns - 1
+            if stall and answer_now or not answer_now and self.rng(ep, turn).random() < a.oracle_detour:  # a wasted question
                 r, heard = self.rng(ep, turn, "q"), sorted(known)
                 outs.append(oracle_question(r.choice(heard)) if heard and r.random() < 0.5 else r.choice(DETOURS))
+            elif answer_now:
+                code = task["ground_truth"].strip() if len(known) == len(facts) else guess_answer(task, known, plan)
+                outs.append(f"{colbench.ANSWER_MARKER}\n{code}")
             else:
                 outs.append(oracle_question(next(f for f in facts if f not in known)))
         return outs

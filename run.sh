@@ -101,6 +101,8 @@ PAIR_FACTS=${PAIR_FACTS:-$([ "${TASK_TYPE:-code}" = html ] && [ -z "$TRAIN_TASKS
                                       # procedural pages: 1 ranks the critics' trajectory pairs by design facts right, then
                                       # similarity (ours); its kept update beat the similarity pairs' on validation on four of
                                       # four draws, but met the test win-rate target on one where they met it on three (docs/frontend.md)
+CRITIC_CONTRAST=${CRITIC_CONTRAST:-0}  # critics: 1 adds to their pairs, per train task, a hasty oracle dialogue (answers with
+                                      # unheard facts guessed) and a stalling one (never answers once told everything); ours
 GROUP_BY_TASK=${GROUP_BY_TASK:-0}     # critics: a task's pairs side by side in the batches, each trajectory scored once a step
 CRITICS=${CRITICS:-1}                 # critics of each kind, trained with seeds SEED, SEED+1000, ...: 2 or more are an ensemble whose
                                       # advantage is their mean (label_turns.py; docs/frontend.md, "Critics from other seeds")
@@ -122,7 +124,7 @@ PROMPT_DIR=${PROMPT_DIR:-}            # prompt templates replacing ours (e.g. a 
 
 KNOWN="SMALL TRAIN_TASKS TEST_TASKS RUN MODEL WARMUP N_WARMUP WARMUP_FAMILIES ORACLE_HASTY WARM_BAND WARMUP_TRIES HASTY_STEP ORACLE_DETOUR N_TRAIN N_TEST N_VAL VAL_SAMPLES SNAPSHOTS SAMPLES ORACLE_SAMPLES
   CANDIDATES PAIRS_PER_STATE DATA_FRACTION DPO_EPOCHS DPO_CROSS_KIND LABEL_CROSS_KIND SELECT_SIGNIFICANT TEMPERATURE TRAIN_TEMPERATURE TOP_P MAX_TURNS MAX_NEW_TOKENS LR_WARMUP LR_CRITIC LR_DPO
-  CRITIC_EPOCHS FEWER_TURNS PAIR_FACTS GROUP_BY_TASK CRITICS CREDIT_VARIANTS TRAIN_LAYERS BATCH_SIZE NPROC AGENT_BACKEND GRAD_CKPT TRAIN_DTYPE WARMUP_DTYPE DECODE_DTYPE SCORE_DTYPE SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL PROMPT_DIR REPORT_DIALOGUES SETUP PY"
+  CRITIC_EPOCHS FEWER_TURNS PAIR_FACTS CRITIC_CONTRAST GROUP_BY_TASK CRITICS CREDIT_VARIANTS TRAIN_LAYERS BATCH_SIZE NPROC AGENT_BACKEND GRAD_CKPT TRAIN_DTYPE WARMUP_DTYPE DECODE_DTYPE SCORE_DTYPE SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL PROMPT_DIR REPORT_DIALOGUES SETUP PY"
 echo "run.sh: run directory $RUN$([ -d "$RUN" ] && echo ' (exists: finished stages are reused)')"
 for v in OUT_DIR OUTPUT_DIR RUN_DIR OUTPUT; do  # easy mistakes: run.sh reads RUN
   if [ -n "${!v-}" ]; then echo "run.sh: warning: $v is set but run.sh does not read it; the run directory is RUN=$RUN" >&2; fi
@@ -262,6 +264,16 @@ if [ "$ORACLE_SAMPLES" -gt 0 ]; then
     --first_sample "$SAMPLES"
 fi
 evaluate "$RUN/train_rollouts.jsonl" train --k "$SAMPLES"
+contrast=()
+if [ "$CRITIC_CONTRAST" = 1 ]; then  # scripted contrasts for the critics only (labelling and DPO never see them)
+  for mode in "--oracle_hasty 1" "--oracle_stall 1"; do
+    rollout "$POLICY" "$RUN/train_tasks.jsonl" "$RUN/critic_contrast.jsonl" --agent_backend oracle --samples 1 \
+      --first_sample $((SAMPLES + ORACLE_SAMPLES + ${#contrast[@]})) $mode
+    contrast+=("$mode")
+  done
+  evaluate "$RUN/critic_contrast.jsonl" critic_contrast
+  contrast=(--extra_trajectories "$RUN/critic_contrast_graded.jsonl")
+fi
 
 log "SWEET-RL: critic -> turn labels -> turn-level DPO"
 critic() {  # critic DIR [variant flags]: CRITICS critics, DIR then DIR_2, DIR_3, ...; ENSEMBLE = their directories joined by +
@@ -271,7 +283,7 @@ critic() {  # critic DIR [variant flags]: CRITICS critics, DIR then DIR_2, DIR_3
     have "$d" || train train_critic.py --trajectories "$RUN/train_graded.jsonl" --model "$POLICY" --output_dir "$d" \
       --lr "$LR_CRITIC" --epochs "$CRITIC_EPOCHS" --task_type "$TASK_TYPE" --seed $((SEED + 1000 * (k - 1))) --train_layers "$TRAIN_LAYERS" \
       $([ "$GROUP_BY_TASK" = 1 ] && echo --group_by_task) $([ "$FEWER_TURNS" = 1 ] && echo --fewer_turns) \
-      $([ "$PAIR_FACTS" = 1 ] && echo --pair_facts) "$@"
+      $([ "$PAIR_FACTS" = 1 ] && echo --pair_facts) "${contrast[@]}" "$@"
     ENSEMBLE=${ENSEMBLE:+$ENSEMBLE+}$d
   done
 }

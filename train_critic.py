@@ -28,6 +28,9 @@ Deviations from the paper / released code:
    dialogue chosen (colbench.trajectory_pairs).
 5. `--pair_facts` (ours, off by default): html samples ranked by design facts right, then similarity
    (colbench.trajectory_pairs).
+6. `--extra_trajectories` (ours, off by default): more dialogues of the train tasks join the pairs, e.g. run.sh's
+   CRITIC_CONTRAST scripted ones (a hasty answer, a dialogue that never stops asking): off-policy data the
+   critic learns from and labelling never samples states of.
 """
 from __future__ import annotations
 
@@ -52,6 +55,9 @@ class Args:
     """graded trajectories JSONL (evaluate.py output)"""
     output_dir: str
     """where to save the critic (HF checkpoint)"""
+    extra_trajectories: str = ""
+    """more graded dialogues of the same tasks, paired with those above (e.g. scripted contrasts: run.sh's
+    CRITIC_CONTRAST; label_turns.py never sees them)"""
     model: str = "embedded"
     """the critic's starting point and pi_ref: the policy (HF path or id)"""
     task_type: str = "code"
@@ -153,7 +159,8 @@ def main(args):
     rank, world, device = common.init_distributed()
     torch.manual_seed(args.seed)
     tok = models.load_tokenizer(args.model)
-    graded = colbench.load_graded(args.trajectories, facts=args.pair_facts)
+    graded = [r for path in filter(None, (args.trajectories, args.extra_trajectories))
+              for r in colbench.load_graded(path, facts=args.pair_facts)]
     pairs = colbench.trajectory_pairs(graded, args.task_type, fewer_turns=args.fewer_turns, by_facts=args.pair_facts)
     if not pairs:
         sys.exit(f"{args.trajectories}: no trajectory pairs (need tasks whose best sample succeeds and another "

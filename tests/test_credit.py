@@ -40,9 +40,9 @@ def test_turn_classes_follow_the_rules():
     assert colbench.turn_class(t, after, question, last_turn=True) == "bad"
 
 
-def oracle(hasty, detour, seed=0):
+def oracle(hasty, detour, seed=0, stall=0.0):
     return rollout.OracleAgent.__new__(rollout.OracleAgent), types.SimpleNamespace(
-        seed=seed, oracle_hasty=hasty, oracle_detour=detour, max_turns=10)
+        seed=seed, oracle_hasty=hasty, oracle_detour=detour, oracle_stall=stall, max_turns=10)
 
 
 def play(agent, t, sample):
@@ -85,6 +85,65 @@ def test_hasty_oracle_mix_is_seeded_and_guesses_fail():
     assert sum(len(d) > 2 for d, _ in wasted) >= 10  # and the budget was spent asking, not answering at once
     agent, agent.args = oracle(0.5, 0.5)  # same seed, same dialogues
     assert [play(agent, t, 0) for t in tasks] == mixed
+
+
+def test_stalling_oracle_asks_on_after_it_knows_everything():
+    """--oracle_stall: a complete dialogue that, told everything, never answers: every later turn is a wasted
+    question (class bad, where the answer would be good) until the turns run out. The dialogues it leaves
+    are the complete oracle's, and a stalling one is the complete one's up to its answer."""
+    tasks = [task(f, s) for f in sorted(generate_tasks.FAMILIES) for s in range(3)]
+    agent, agent.args = oracle(0.0, 0.0, stall=1.0)
+    for t in tasks:
+        ep = {"task": t, "sample": 0, "task_type": "code", "dialogue": [{"role": "user", "content": t["problem_description"]}]}
+        told = 0
+        for _ in range(agent.args.max_turns):
+            out = agent.generate([None], [ep])[0]
+            if colbench.knows_every_fact(t, ep["dialogue"]):
+                told += 1
+                assert colbench.turn_class(t, ep["dialogue"], out) == "bad"
+                assert colbench.turn_class(t, ep["dialogue"], f"{colbench.ANSWER_MARKER}\n{t['ground_truth']}") == "good"
+            ep["dialogue"] += [{"role": "assistant", "content": out},
+                               {"role": "user", "content": colbench.scripted_reply(t["hidden_information"], out)}]
+        assert told >= 5 and not any(colbench.ANSWER_MARKER in m["content"] for m in ep["dialogue"])  # it never answered
+    complete, half = oracle(0.0, 0.0), oracle(0.0, 0.0, stall=0.5)
+    complete[0].args, half[0].args = complete[1], half[1]
+    stalled = 0
+    for t in tasks[::2]:
+        for sample in range(2):
+            (d0, ok0), (d1, ok1) = play(complete[0], t, sample), play_until(half[0], t, sample, 10)
+            assert ok0 and (d1 == d0 or d1[:len(d0) - 1] == d0[:-1] and ok1 is None)
+            stalled += d1 != d0
+    assert 0 < stalled < len(tasks)
+
+
+def play_until(agent, t, sample, max_turns):
+    """play(), for dialogues that may never answer: (dialogue, success or None when it did not answer)."""
+    ep = {"task": t, "sample": sample, "task_type": "code", "dialogue": [{"role": "user", "content": t["problem_description"]}]}
+    for _ in range(max_turns):
+        out = agent.generate([None], [ep])[0]
+        ep["dialogue"].append({"role": "assistant", "content": out})
+        if colbench.ANSWER_MARKER in out:
+            return ep["dialogue"], sandbox.grade_code(t, colbench.extract_answer(out))["success"]
+        ep["dialogue"].append({"role": "user", "content": colbench.scripted_reply(t["hidden_information"], out)})
+    return ep["dialogue"], None
+
+
+def test_html_stalling_oracle():
+    """The html oracle with --oracle_stall: told every hidden fact, it asks a wasted question instead of answering,
+    also at the last turn; before that its turn is the complete oracle's, whose turns the option off leaves as they were."""
+    t = generate_tasks.procedural_page(random.Random(3))
+    t["task_id"] = colbench.task_id(t)
+    start = [{"role": "user", "content": t["problem_description"]}]
+    told = start + [{"role": "assistant", "content": "Tell me everything?"},
+                    {"role": "user", "content": " ".join(colbench.hidden_facts(t))}]
+    args = lambda stall: types.SimpleNamespace(oracle_hasty=0.0, oracle_detour=0.0, oracle_stall=stall, max_turns=10)
+    turn = lambda dialogue, n, stall: rollout.html_oracle_turn(t, dialogue, n, random.Random("plan"), random.Random(n), args(stall))
+    assert turn(told, 1, 0.0).startswith(colbench.ANSWER_MARKER)
+    wasted = set(rollout.HTML_DETOURS) | set(rollout.DESIGN_QUESTIONS.values())
+    for n in (1, 9):  # told everything, or the last turn
+        out = turn(told if n == 1 else start, n, 1.0)
+        assert out in wasted and colbench.ANSWER_MARKER not in out
+    assert turn(start, 0, 1.0) == turn(start, 0, 0.0) and colbench.ANSWER_MARKER not in turn(start, 0, 0.0)
 
 
 def test_credit_accuracy_counts_ties_half():

@@ -87,13 +87,14 @@ def test_run_sh_html_loop(tiny_model, tmp_path):
     bf16 where the CPU has bf16 instructions); an empty WARM_BAND skips the warm-up's calibration. CRITICS=2: two
     critics of each kind (seeds SEED and SEED+1000: 0 and 1000), the candidates ranked by their mean advantage.
     html's default PAIR_FACTS=1: the critics' pairs ranked by the design facts evaluate.py counts, then similarity;
-    its LABEL_CROSS_KIND=decision: labelling ranks a candidate's first line before the whole turn."""
+    its LABEL_CROSS_KIND=decision: labelling ranks a candidate's first line before the whole turn. CRITIC_CONTRAST=1:
+    a hasty and a stalling oracle dialogue per train page join the critics' pairs, never the labelled states."""
     env = {**os.environ, "SETUP": "0", "PY": sys.executable, "RUN": str(tmp_path / "run"), "MODEL": tiny_model,
            "TASK_TYPE": "html", "WARMUP": "1", "N_WARMUP": "2", "WARM_BAND": "", "N_TRAIN": "2", "N_TEST": "2",
            "SAMPLES": "1", "ORACLE_SAMPLES": "1",
            "CANDIDATES": "2", "PAIRS_PER_STATE": "1", "DATA_FRACTION": "1.0", "MAX_TURNS": "4", "MAX_NEW_TOKENS": "8",
            "LR_CRITIC": "1e-3", "LR_DPO": "1e-3", "CRITIC_EPOCHS": "1", "OMP_NUM_THREADS": "1", "N_VAL": "2", "VAL_SAMPLES": "1",
-           "CRITICS": "2", "SCORE_DTYPE": "auto"}  # fp32 scoring, as credit.py's below
+           "CRITICS": "2", "SCORE_DTYPE": "auto", "CRITIC_CONTRAST": "1"}  # fp32 scoring, as credit.py's below
     p = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     table = (tmp_path / "run" / "results.txt").read_text()
@@ -112,8 +113,15 @@ def test_run_sh_html_loop(tiny_model, tmp_path):
         settings = json.loads((tmp_path / "run" / critic / "run_settings.json").read_text())
         assert settings["group_by_task"] is True and settings["seed"] == seed  # html's critics score a trajectory once a step
         assert settings["pair_facts"] is True  # html's default: pairs by design facts right, then similarity
+        assert settings["extra_trajectories"] == str(tmp_path / "run" / "critic_contrast_graded.jsonl")
+    contrast = read(tmp_path / "run" / "critic_contrast_graded.jsonl")  # after the policy's sample 0 and the oracle's 1
+    assert sorted((r["task_id"], r["sample"]) for r in contrast) == sorted((t, s) for t in {r["task_id"] for r in contrast} for s in (2, 3))
+    stalled = [r for r in contrast if r["sample"] == 3]
+    assert len(stalled) == 2 and all(r["num_turns"] == 4 for r in stalled)
+    assert not any(colbench.ANSWER_MARKER in m["content"] for r in stalled for m in r["dialogue_history"] if m["role"] == "assistant")
     states = read(tmp_path / "run" / "pairs.jsonl.states.jsonl")  # every labelled state has its true classes
     assert states and all(set(st["classes"]) <= {"good", "bad"} for st in states)
+    assert all(st["sample"] <= 1 for st in states)  # the policy's and the complete oracle's dialogues, no contrast
     for st in states:  # the pairs were ranked by the two critics' mean advantage, first lines first (html's default)
         by, dec = st["advantages_by_critic"], st["decisions_by_critic"]
         assert st["advantages"] == by["sweet"] == pytest.approx([(a + b) / 2 for a, b in zip(by["sweet/1"], by["sweet/2"])])

@@ -180,10 +180,9 @@ def html_oracle_turn(task, dialogue, turn, plan, rng, args):
     approved = dialogue[-1]["role"] == "user" and dialogue[-1]["content"].startswith("Yes, that is")
     heard = sorted(k for k, v in hidden.items() if colbench.design_fact(k, v) in known)
     wasted = lambda: DESIGN_QUESTIONS[rng.choice(heard)] if heard and rng.random() < 0.5 else rng.choice(HTML_DETOURS)
-    if stall and (len(known) == len(facts) or approved or turn >= args.max_turns - 1):
-        return wasted()
-    if len(known) == len(facts) or approved or (budget is not None and turn >= budget) or turn >= args.max_turns - 1:
-        return f"{colbench.ANSWER_MARKER}\n{page()}"
+    answer_now = len(known) == len(facts) or approved or (budget is not None and turn >= budget) or turn >= args.max_turns - 1
+    if answer_now:
+        return wasted() if stall else f"{colbench.ANSWER_MARKER}\n{page()}"
     if rng.random() < args.oracle_detour:
         return wasted()
     if rng.random() < 0.5:

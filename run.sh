@@ -266,10 +266,11 @@ fi
 evaluate "$RUN/train_rollouts.jsonl" train --k "$SAMPLES"
 contrast=()
 if [ "$CRITIC_CONTRAST" = 1 ]; then  # scripted contrasts for the critics only (labelling and DPO never see them)
-  for mode in "--oracle_hasty 1" "--oracle_stall 1"; do
+  first=$((SAMPLES + ORACLE_SAMPLES))
+  for mode in hasty stall; do  # one dialogue of each per train task, numbered after the train rollouts' samples
     rollout "$POLICY" "$RUN/train_tasks.jsonl" "$RUN/critic_contrast.jsonl" --agent_backend oracle --samples 1 \
-      --first_sample $((SAMPLES + ORACLE_SAMPLES + ${#contrast[@]})) $mode
-    contrast+=("$mode")
+      --first_sample "$first" "--oracle_$mode" 1
+    first=$((first + 1))
   done
   evaluate "$RUN/critic_contrast.jsonl" critic_contrast
   contrast=(--extra_trajectories "$RUN/critic_contrast_graded.jsonl")

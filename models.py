@@ -162,10 +162,13 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
 # ----------------------------------------------------------------------------------------------
 # Samplers
 # ----------------------------------------------------------------------------------------------
-def growing_cache(reserve):
+def growing_cache(reserve, dtype=None):
     """A DynamicCache whose layers write each step's keys and values into a buffer with room for
     reserve more positions, instead of concatenating (DynamicLayer copies the whole cache at every
-    decoding step: a tenth of an html rollout's time on a CPU). The model reads the same values, as views."""
+    decoding step: a tenth of an html rollout's time on a CPU). The model reads the same values, as views.
+    dtype (bf16_kv_attention's cache): the buffers hold keys and values in dtype, and the attention is given
+    each whole buffer, zeros and stale positions past the cache included, with a mask as long that hides them
+    (as a StaticCache does): a matmul on a view of a longer buffer copies it first, on the whole one it does not."""
     from transformers import DynamicCache
     from transformers.cache_utils import Cache, DynamicLayer
 
@@ -178,7 +181,8 @@ def growing_cache(reserve):
             if self.buffers is None or n + m > self.buffers[0].shape[-2]:
                 grown = []
                 for old, new in zip((self.keys, self.values), (key_states, value_states)):
-                    b = new.new_empty((*new.shape[:-2], n + m + reserve, new.shape[-1]))
+                    shape = (*new.shape[:-2], n + m + reserve, new.shape[-1])
+                    b = new.new_zeros(shape, dtype=dtype) if dtype else new.new_empty(shape)  # whole: no NaN garbage
                     if n:
                         b[..., :n, :] = old
                     grown.append(b)
@@ -187,7 +191,14 @@ def growing_cache(reserve):
                 b[..., n:n + m, :] = new
             self.length = n + m
             self.keys, self.values = (b[..., :n + m, :] for b in self.buffers)
-            return self.keys, self.values
+            return tuple(self.buffers) if dtype else (self.keys, self.values)
+
+        def get_mask_sizes(self, query, *args):  # transformers 5.2x passes the query's length, 5.19 its positions
+            if not dtype:
+                return super().get_mask_sizes(query, *args)
+            n, q = self.get_seq_length(), query if isinstance(query, int) else query.shape[0]
+            room = self.buffers[0].shape[-2] if self.is_initialized and self.buffers is not None else 0
+            return (room if n + q <= room else n + q + reserve), 0  # the length of the buffer update returns
 
         def crop(self, *args, **kwargs):  # DynamicLayer's crop shortens the views; the next write follows them
             super().crop(*args, **kwargs)
@@ -246,6 +257,43 @@ def bf16_matmuls(model):
     return model
 
 
+BF16_KV = "bf16_kv_decoding"
+
+
+def bf16_kv_attention(model):
+    """Make model (a sampler's own copy, from bf16_matmuls) attend over a bf16 KV cache (growing_cache with
+    dtype bf16) in a decoding step: the query in bf16, the two products in bf16 (AVX512-BF16 / AMX), the
+    softmax in fp32. A decoding step on a CPU is bound by reading every row's cache, and the fp32 SDPA
+    kernel reads 4 bytes a value where this reads 2: at 48 rows on 1,200 cached tokens one layer's attention
+    takes 2.1 ms against 4.0 (docs/speed.md). A prefill (more than one query position) runs SDPA on fp32 copies
+    of the keys and values. The cache's rounding to bf16 is a GPU's bf16 sampler's; no log-prob that enters a
+    loss or an advantage comes from here."""
+    import torch
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        if attention_mask is not None:  # the first pass on an empty cache: the mask spans only its query
+            key, value = key[:, :, :attention_mask.shape[-1]], value[:, :, :attention_mask.shape[-1]]
+        if query.shape[2] > 1:
+            return sdpa_attention_forward(module, query, key.to(query.dtype), value.to(query.dtype), attention_mask,
+                                          scaling=scaling, **kwargs)
+        b, heads, _, d = query.shape
+        q = query.reshape(b, key.shape[1], heads // key.shape[1], d).to(key.dtype)  # query heads by their kv head
+        scores = torch.matmul(q, key.transpose(-1, -2)).float() * (scaling or d ** -0.5)
+        if attention_mask is not None:  # [b, 1, 1, kv]: True (or 0.0) where a row may attend
+            scores = (scores.masked_fill(~attention_mask, float("-inf")) if attention_mask.dtype == torch.bool
+                      else scores + attention_mask)
+        out = torch.matmul(torch.softmax(scores, -1).to(value.dtype), value).to(query.dtype)
+        return out.reshape(b, 1, heads, d), None  # as SDPA's: [batch, query positions, heads, dim]
+
+    AttentionInterface.register(BF16_KV, attention)
+    AttentionMaskInterface.register(BF16_KV, sdpa_mask)
+    model.config._attn_implementation = BF16_KV
+    return model, torch.bfloat16  # the model, and the dtype its growing_cache must hold
+
+
 class HFSampler:
     """transformers in process: all prompts as one left-padded batch (seeded once per process).
     reuse_cache (rollouts): each dialogue keeps its KV cache from one turn to the next (the key's
@@ -265,8 +313,9 @@ class HFSampler:
         dtype = torch.bfloat16 if self.device.type == "cuda" and decode_dtype != "float32" else torch.float32
         self.model = loaded if loaded is not None else \
             AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=dtype).to(self.device).eval()
+        self.kv_dtype = None  # the KV cache's dtype when not the model's
         if decode_dtype == "bfloat16" and self.model.dtype == torch.float32:
-            self.model = bf16_matmuls(self.model)
+            self.model, self.kv_dtype = bf16_kv_attention(bf16_matmuls(self.model))
         self.max_batch_tokens = max_batch_tokens  # plain generate: rows x (prompt + new tokens) per sub-batch
         self.reuse, self.cache = reuse_cache, {}  # dialogue -> (token ids, [(keys, values)] per layer)
         self.prompt_tokens = {"reused": 0, "run": 0}  # prompt tokens taken from a cache / run through the model
@@ -316,7 +365,7 @@ class HFSampler:
         rows = list(range(input_ids.shape[0] if expand is None else len(expand)))  # the batch's rows
         new, kv = [[] for _ in rows], [None] * len(rows)
         ids = input_ids[:, cache.get_seq_length():] if cache is not None else input_ids  # a cache holds the first tokens
-        cache = cache if cache is not None else growing_cache(self.max_new_tokens)
+        cache = cache if cache is not None else growing_cache(self.max_new_tokens, self.kv_dtype)
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
         with torch.no_grad():
             for step in range(self.max_new_tokens):
@@ -395,7 +444,7 @@ class HFSampler:
         """The batch's KV cache of generate_reusing: row i holds the first reuse[i] cached tokens of dialogue i,
         right-aligned after left padding, with room for Ls prompt and max_new_tokens new tokens."""
         B, Lc = len(dialogues), max(reuse)
-        cache = growing_cache(Ls + self.max_new_tokens)
+        cache = growing_cache(Ls + self.max_new_tokens, self.kv_dtype)
         some = next(self.cache[d] for d, n in zip(dialogues, reuse) if n)[1]  # shapes
         for layer, (k0, v0) in enumerate(some):
             k = k0.new_zeros((B, k0.shape[1], Lc, k0.shape[3]))

@@ -335,6 +335,44 @@ def test_bf16_matmuls_decode_what_fp32_decodes_and_leave_a_shared_model_alone(ti
         models.HFSampler(tiny_model, 0.0, 1.0, 6, decode_dtype="float16")
 
 
+def test_bf16_kv_cache_decodes_what_an_fp32_cache_decodes(tiny_model):
+    """--decode_dtype bfloat16 on a CPU also keeps the KV cache in bf16 (models.bf16_kv_attention): through a
+    left-padded prefill and decoding steps that outgrow the cache's reserve (its whole buffer and a mask as long
+    are what the attention reads), the logits stay within bf16 rounding of the same bf16-matmul model's on an
+    fp32 DynamicCache; the cache holds bf16; a model shared with the sampler keeps SDPA; and a dialogue's
+    reused cache serves its next turn."""
+    import torch
+    from transformers import DynamicCache
+    fp32 = models.HFSampler(tiny_model, 0.0, 1.0, 6)
+    bf16 = models.HFSampler(tiny_model, 0.0, 1.0, 6, loaded=fp32.model, decode_dtype="bfloat16", reuse_cache=True)
+    assert bf16.kv_dtype == torch.bfloat16 and bf16.model.config._attn_implementation == models.BF16_KV
+    assert fp32.model.config._attn_implementation == "sdpa"  # the shared model: untouched
+    ref_model = models.bf16_matmuls(fp32.model)  # the same matmuls, an fp32 cache read by SDPA
+    batch = fp32.tok(["Write f(x) for me, a longer one.", "Hi"], return_tensors="pt", padding=True, add_special_tokens=False)
+    assert batch["attention_mask"][1, 0] == 0  # left padding: the mask matters
+    runs = []
+    for model, cache in ((ref_model, DynamicCache()), (bf16.model, models.growing_cache(2, torch.bfloat16))):
+        ids, mask, logits = batch["input_ids"], batch["attention_mask"], []
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            for step in range(5):  # a prefill, then 4 steps: past the reserve of 2, the buffer grows
+                out = model(input_ids=ids, attention_mask=mask, position_ids=pos, **common.with_cache(model, cache))
+                logits.append(out.logits[:, -1])
+                ids = torch.tensor([[7], [9]])  # the same tokens for both
+                mask, pos = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1), pos[:, -1:] + 1
+        runs.append((torch.stack(logits), cache))
+    (a, _), (b, cache) = runs
+    width = batch["input_ids"].shape[1]  # the prefill's buffer held width + 2; the third step grew it to width + 3 + 2
+    assert cache.layers[0].keys.dtype == torch.bfloat16 and cache.layers[0].buffers[0].shape[-2] == width + 5
+    assert not torch.equal(a, b) and (a - b).abs().max().item() < 0.02 * a.abs().max().item()
+    dialogue = [{"role": "user", "content": "Write f(x)."}]
+    first = bf16.generate([models.render_prompt(bf16.tok, colbench.agent_messages({}, dialogue))], ["d/0"])[0]
+    dialogue += [{"role": "assistant", "content": first}, {"role": "user", "content": "Go on."}]
+    before = bf16.prompt_tokens["reused"]
+    assert len(bf16.generate([models.render_prompt(bf16.tok, colbench.agent_messages({}, dialogue))], ["d/1"])) == 1
+    assert bf16.prompt_tokens["reused"] > before and bf16.cache["d"][1][0][0].dtype == torch.bfloat16
+
+
 def test_growing_cache_holds_what_dynamic_cache_holds_without_a_copy_per_step():
     """models.growing_cache: after a prefill, decoding steps, a row selection with repeats, an update
     past its reserve and a crop, every layer holds exactly DynamicCache's keys and values; a step within

@@ -109,8 +109,9 @@ class Args:
     max_turns: int = 10
     """the rollouts' turn limit (a candidate at the last turn is an answer, for the turn classes)"""
     decode_dtype: str = "auto"
-    """hf backend: auto (bf16 weights on a GPU, fp32 on a CPU) | bfloat16 (on a CPU: bf16 matmuls, fp32 weights;
-    ~0.7x a decoding step where the CPU has AVX512-BF16, models.bf16_matmuls) | float32"""
+    """hf backend: auto (bf16 weights on a GPU, fp32 on a CPU) | bfloat16 (on a CPU: bf16 matmuls, fp32 weights,
+    a bf16 KV cache; ~0.7x a decoding step where the CPU has AVX512-BF16, models.bf16_matmuls, and ~0.8x again on
+    long dialogues, models.bf16_kv_attention) | float32"""
     score_dtype: str = "auto"
     """critics and pi_ref scoring the candidates: auto (bf16 weights on a GPU, fp32 on a CPU) | bfloat16 (on a
     CPU: bf16 matmuls, fp32 weights, ~0.7x the scoring time with AVX512-BF16; advantages within ~1e-2 of

@@ -103,8 +103,9 @@ class Args:
     """oracle backend: share of complete dialogues that, once every fact is known, never answer: they ask wasted
     questions until the turns run out (a contrast for the critic: asking after the human has told everything)"""
     decode_dtype: str = "auto"
-    """hf backend: auto (bf16 weights on a GPU, fp32 on a CPU) | bfloat16 (on a CPU: bf16 matmuls, fp32 weights;
-    ~0.7x a decoding step where the CPU has AVX512-BF16, models.bf16_matmuls) | float32"""
+    """hf backend: auto (bf16 weights on a GPU, fp32 on a CPU) | bfloat16 (on a CPU: bf16 matmuls, fp32 weights,
+    a bf16 KV cache; ~0.7x a decoding step where the CPU has AVX512-BF16, models.bf16_matmuls, and ~0.8x again on
+    long dialogues, models.bf16_kv_attention) | float32"""
     reuse_cache: bool = True
     """hf backend: keep each dialogue's KV cache from turn to turn, so a turn runs only its new tokens"""
     prompt_dir: str = ""

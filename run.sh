@@ -113,7 +113,7 @@ AGENT_BACKEND=${AGENT_BACKEND:-}      # how rollouts and label_turns sample the 
 GRAD_CKPT=${GRAD_CKPT:-$([ "$MODEL" = embedded ] && echo 0 || echo 1)}  # activation checkpointing in critic and DPO training
 TRAIN_DTYPE=${TRAIN_DTYPE:-auto}      # training's compute: auto (bf16 on GPU, fp32 on CPU) | bfloat16 (CPU: ~1.8x faster, docs/speed.md) | float32
 WARMUP_DTYPE=${WARMUP_DTYPE:-$TRAIN_DTYPE}  # ... of the warm-up SFT alone
-DECODE_DTYPE=${DECODE_DTYPE:-auto}    # sampling (rollouts, labelling; hf backend): auto (bf16 on GPU, fp32 on CPU) | bfloat16 (CPU: bf16 matmuls) | float32
+DECODE_DTYPE=${DECODE_DTYPE:-auto}    # sampling (rollouts, labelling; hf backend): auto (bf16 on GPU, fp32 on CPU) | bfloat16 (CPU: bf16 matmuls, bf16 KV cache) | float32
 SCORE_DTYPE=${SCORE_DTYPE:-auto}      # labelling's critics and pi_ref scoring the candidates: the same choices
 SEED=${SEED:-0}
 SIMULATOR_URL=${SIMULATOR_URL:-}      # empty: start the embedded scripted human

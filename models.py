@@ -265,9 +265,9 @@ def bf16_kv_attention(model):
     dtype bf16) in a decoding step: the query in bf16, the two products in bf16 (AVX512-BF16 / AMX), the
     softmax in fp32. A decoding step on a CPU is bound by reading every row's cache, and the fp32 SDPA
     kernel reads 4 bytes a value where this reads 2: a decoding step of 48 rows on 1,200 cached tokens takes
-    0.75x the time (bench/bench_attention.py, docs/speed.md). A prefill (more than one query position) runs SDPA on fp32 copies
-    of the keys and values. The cache's rounding to bf16 is a GPU's bf16 sampler's; no log-prob that enters a
-    loss or an advantage comes from here."""
+    0.75x the time (bench/bench_attention.py, docs/speed.md). A prefill (more than one query position) runs
+    SDPA on fp32 copies of the keys and values. The cache's rounding to bf16 is a GPU's bf16 sampler's; no
+    log-prob that enters a loss or an advantage comes from here."""
     import torch
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

@@ -162,6 +162,16 @@ HTML_DETOURS = ["Do you want a contact form?", "Which font do you like?", "Shoul
                 "Do you want rounded corners?", "Should the links open in a new tab?"]
 
 
+def oracle_decides(plan, facts, known, turn, args):
+    """(answer now, stall) of an oracle dialogue at this turn, both oracles' rule. Its plan (drawn from the dialogue's
+    own rng): with --oracle_hasty, a budget of fewer questions than facts; else, with --oracle_stall, whether it
+    never answers (drawn last, so with stall 0 every other draw is as without it). It answers once every fact is
+    known, its budget is spent or the turns are; a stalling dialogue asks a wasted question there instead."""
+    budget = plan.randrange(len(facts)) if plan.random() < args.oracle_hasty else None
+    stall = args.oracle_stall > 0 and budget is None and plan.random() < args.oracle_stall
+    return len(known) == len(facts) or (budget is not None and turn >= budget) or turn >= args.max_turns - 1, stall
+
+
 def html_oracle_turn(task, dialogue, turn, plan, rng, args):
     """The html oracle's turn: like the code oracle (complete, hasty, detours), and it either asks for
     the next unknown hidden fact or shows a draft with the unknown facts guessed (the human then names
@@ -176,13 +186,13 @@ def html_oracle_turn(task, dialogue, turn, plan, rng, args):
     guess = {k: plan.choice(colbench.DESIGN_FACTS[k][1]) for k in sorted(design)}  # one guess per fact, per dialogue
     page = lambda: generate_tasks.design_page({k: v if k not in hidden or colbench.design_fact(k, v) in known else guess[k]
                                                for k, v in design.items()}, title)
-    budget = plan.randrange(len(facts)) if plan.random() < args.oracle_hasty else None
-    stall = args.oracle_stall > 0 and budget is None and plan.random() < args.oracle_stall  # drawn last: the rest as without
+    answer_now, stall = oracle_decides(plan, facts, known, turn, args)
     approved = dialogue[-1]["role"] == "user" and dialogue[-1]["content"].startswith("Yes, that is")
-    heard = sorted(k for k, v in hidden.items() if colbench.design_fact(k, v) in known)
-    wasted = lambda: DESIGN_QUESTIONS[rng.choice(heard)] if heard and rng.random() < 0.5 else rng.choice(HTML_DETOURS)
-    answer_now = len(known) == len(facts) or approved or (budget is not None and turn >= budget) or turn >= args.max_turns - 1
-    if answer_now:
+
+    def wasted():  # asks again about a fact it has heard, or about something no fact covers
+        heard = sorted(k for k, v in hidden.items() if colbench.design_fact(k, v) in known)
+        return DESIGN_QUESTIONS[rng.choice(heard)] if heard and rng.random() < 0.5 else rng.choice(HTML_DETOURS)
+    if answer_now or approved:
         return wasted() if stall else f"{colbench.ANSWER_MARKER}\n{page()}"
     if rng.random() < args.oracle_detour:
         return wasted()
@@ -221,9 +231,7 @@ class OracleAgent:
                 continue
             facts = colbench.hidden_facts(task)
             known = colbench.revealed_facts(task, ep["dialogue"])
-            budget = plan.randrange(len(facts)) if plan.random() < a.oracle_hasty else None
-            stall = a.oracle_stall > 0 and budget is None and plan.random() < a.oracle_stall
-            answer_now = len(known) == len(facts) or (budget is not None and turn >= budget) or turn >= a.max_turns - 1
+            answer_now, stall = oracle_decides(plan, facts, known, turn, a)
             if stall and answer_now or not answer_now and self.rng(ep, turn).random() < a.oracle_detour:  # a wasted question
                 r, heard = self.rng(ep, turn, "q"), sorted(known)
                 outs.append(oracle_question(r.choice(heard)) if heard and r.random() < 0.5 else r.choice(DETOURS))

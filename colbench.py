@@ -297,6 +297,11 @@ DESIGN_FACTS = {  # key -> (sentence, values), in the order the human ranks a dr
     "footer": ("The footer is {}.", HUES),
     "title": ("The title is aligned to the {}.", ("left", "center", "right")),
 }
+# House style (ours, generate_tasks.py --house_style): the request states a house style for all five facts,
+# then the changes it wants; its hidden facts are changes it does not state. Which unstated facts are hidden is
+# then known only from the reference, not from the request (without it, the unstated facts are the hidden ones).
+HOUSE_STYLE = {"background": "white", "header": "gray", "boxes": "3", "footer": "gray", "title": "left"}
+HOUSE_INTRO, HOUSE_CHANGES = "Our house style is this.", "For this page I want changes."
 
 
 def design_fact(key, value):
@@ -323,10 +328,17 @@ def design_of(task):
     return design_in(task.get("problem_description", "") + "\n" + task.get("hidden_information", ""))
 
 
+def request_design(task):
+    """{key: value} of the design facts a procedural page's request states, less those its hidden lines
+    change (a house style's value of a hidden fact is not what the human wants)."""
+    hidden = design_in(task.get("hidden_information", ""))
+    return {k: v for k, v in design_in(task.get("problem_description", "")).items() if k not in hidden}
+
+
 def known_design(task, dialogue):
     """{key: value} of the design facts the agent has been told by the end of `dialogue`: those its request
     states and the hidden ones the human has said."""
-    return {**design_in(task["problem_description"]), **design_in("\n".join(revealed_facts(task, dialogue)))}
+    return {**request_design(task), **design_in("\n".join(revealed_facts(task, dialogue)))}
 
 
 def design_mismatches(design, features):
@@ -337,8 +349,10 @@ def design_mismatches(design, features):
 def draft_reply(hidden, features, stated=None):
     """The scripted human's reply to a shown draft: the most important hidden fact the draft gets wrong,
     quoted; never more than one. A draft right on every hidden fact that breaks a fact of the request
-    (stated: {key: value}) hears the first such fact (nothing new) instead of an approval."""
-    for design in (design_in(hidden), stated or {}):
+    (stated: {key: value}; a fact the hidden lines change is not the request's) hears the first such fact
+    (nothing new) instead of an approval."""
+    hidden_design = design_in(hidden)
+    for design in (hidden_design, {k: v for k, v in (stated or {}).items() if k not in hidden_design}):
         wrong = design_mismatches(design, features)
         if wrong:
             return f"Not quite. {design_fact(wrong[0], design[wrong[0]])}"

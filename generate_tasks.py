@@ -62,6 +62,10 @@ class Args:
     """llm source: model name on that server (default: the server's first model)"""
     seed_texts: str = ""
     """llm source: a text file, one seed text per line (web text the task is built around)"""
+    house_style: bool = False
+    """procedural html pages: the request states a house style and some changes; 2-3 changes are hidden and
+    1-3 facts keep the house style unstated, so only the reference tells which unstated facts are hidden
+    (without it, every unstated fact is hidden; docs/frontend.md, "A house style")"""
     families: str = ""
     """procedural code tasks: comma-separated families to draw from (default: all)"""
     workers: int = 8
@@ -224,13 +228,26 @@ def design_page(design, title):
             f'<footer class="bg-{design["footer"]}-700 text-white p-4">{title}</footer>\n</body>')
 
 
-def procedural_page(rng):
+def procedural_page(rng, house_style=False):
     """One frontend task: problem_description (with the stated facts), hidden_information (the hidden
-    facts, one a line, most important first) and ground_truth (the target HTML)."""
-    design = {k: rng.choice(values) for k, (_, values) in colbench.DESIGN_FACTS.items()}
-    hidden = set(rng.sample(sorted(design), rng.choice([2, 3])))
+    facts, one a line, most important first) and ground_truth (the target HTML). With house_style the
+    request states the house style (colbench.HOUSE_STYLE) and 0-2 changes to it; 2-3 other changes are
+    hidden, and 1-3 facts keep the house style unstated, so the request does not tell which are hidden."""
+    if house_style:
+        keys = list(colbench.DESIGN_FACTS)
+        hidden = set(rng.sample(keys, rng.choice([2, 3])))
+        rest = [k for k in keys if k not in hidden]
+        kept = set(rng.sample(rest, rng.randint(1, len(rest))))
+        design = {k: colbench.HOUSE_STYLE[k] if k in kept else rng.choice([v for v in values if v != colbench.HOUSE_STYLE[k]])
+                  for k, (_, values) in colbench.DESIGN_FACTS.items()}
+        changes = " ".join(colbench.design_fact(k, design[k]) for k in keys if k not in hidden | kept)
+        stated = " ".join([colbench.HOUSE_INTRO, *(colbench.design_fact(k, v) for k, v in colbench.HOUSE_STYLE.items()),
+                           *([colbench.HOUSE_CHANGES, changes] if changes else [])])
+    else:
+        design = {k: rng.choice(values) for k, (_, values) in colbench.DESIGN_FACTS.items()}
+        hidden = set(rng.sample(sorted(design), rng.choice([2, 3])))
+        stated = " ".join(colbench.design_fact(k, design[k]) for k in design if k not in hidden)
     biz = rng.choice(BUSINESSES)
-    stated = " ".join(colbench.design_fact(k, design[k]) for k in design if k not in hidden)
     return {"problem_description": f"I want a {rng.choice(['clean', 'bold', 'friendly', 'simple'])} web page for my {biz}: "
                                    f"a header with its name, a row of boxes and a footer. {stated}",
             "hidden_information": "\n".join(colbench.design_fact(k, design[k]) for k in design if k in hidden),
@@ -319,7 +336,7 @@ def main(args):
             for _ in range(args.num_tasks * 50):
                 if len(tasks) == args.num_tasks:
                     break
-                t = procedural_page(rng)
+                t = procedural_page(rng, args.house_style)
                 t["task_id"] = colbench.task_id(t)
                 if t["task_id"] not in seen:
                     seen.add(t["task_id"])

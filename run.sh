@@ -101,6 +101,8 @@ PAIR_FACTS=${PAIR_FACTS:-$([ "${TASK_TYPE:-code}" = html ] && [ -z "$TRAIN_TASKS
                                       # procedural pages: 1 ranks the critics' trajectory pairs by design facts right, then
                                       # similarity (ours); its kept update beat the similarity pairs' on validation on four of
                                       # four draws, but met the test win-rate target on one where they met it on three (docs/frontend.md)
+HOUSE_STYLE=${HOUSE_STYLE:-0}         # procedural html pages: 1 states a house style and hides changes to it, so that only the
+                                      # reference tells which unstated facts are hidden (generate_tasks.py --house_style; ours)
 CRITIC_CONTRAST=${CRITIC_CONTRAST:-0}  # critics: 1 adds to their pairs, per train task, a hasty oracle dialogue (answers with
                                       # unheard facts guessed) and a stalling one (never answers once told everything); ours
 GROUP_BY_TASK=${GROUP_BY_TASK:-0}     # critics: a task's pairs side by side in the batches, each trajectory scored once a step
@@ -124,7 +126,7 @@ PROMPT_DIR=${PROMPT_DIR:-}            # prompt templates replacing ours (e.g. a 
 
 KNOWN="SMALL TRAIN_TASKS TEST_TASKS RUN MODEL WARMUP N_WARMUP WARMUP_FAMILIES ORACLE_HASTY WARM_BAND WARMUP_TRIES HASTY_STEP ORACLE_DETOUR N_TRAIN N_TEST N_VAL VAL_SAMPLES SNAPSHOTS SAMPLES ORACLE_SAMPLES
   CANDIDATES PAIRS_PER_STATE DATA_FRACTION DPO_EPOCHS DPO_CROSS_KIND LABEL_CROSS_KIND SELECT_SIGNIFICANT TEMPERATURE TRAIN_TEMPERATURE TOP_P MAX_TURNS MAX_NEW_TOKENS LR_WARMUP LR_CRITIC LR_DPO
-  CRITIC_EPOCHS FEWER_TURNS PAIR_FACTS CRITIC_CONTRAST GROUP_BY_TASK CRITICS CREDIT_VARIANTS TRAIN_LAYERS BATCH_SIZE NPROC AGENT_BACKEND GRAD_CKPT TRAIN_DTYPE WARMUP_DTYPE DECODE_DTYPE SCORE_DTYPE SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL PROMPT_DIR REPORT_DIALOGUES SETUP PY"
+  CRITIC_EPOCHS FEWER_TURNS PAIR_FACTS HOUSE_STYLE CRITIC_CONTRAST GROUP_BY_TASK CRITICS CREDIT_VARIANTS TRAIN_LAYERS BATCH_SIZE NPROC AGENT_BACKEND GRAD_CKPT TRAIN_DTYPE WARMUP_DTYPE DECODE_DTYPE SCORE_DTYPE SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL PROMPT_DIR REPORT_DIALOGUES SETUP PY"
 echo "run.sh: run directory $RUN$([ -d "$RUN" ] && echo ' (exists: finished stages are reused)')"
 for v in OUT_DIR OUTPUT_DIR RUN_DIR OUTPUT; do  # easy mistakes: run.sh reads RUN
   if [ -n "${!v-}" ]; then echo "run.sh: warning: $v is set but run.sh does not read it; the run directory is RUN=$RUN" >&2; fi
@@ -188,7 +190,7 @@ evaluate() {  # evaluate IN NAME [extra]
 }
 
 log "tasks"
-gen() { "$PY" generate_tasks.py --task_type "$TASK_TYPE" "$@"; }
+gen() { "$PY" generate_tasks.py --task_type "$TASK_TYPE" $([ "$HOUSE_STYLE" = 1 ] && echo --house_style) "$@"; }
 if [ -n "$TEST_TASKS" ]; then exists "$RUN/test_tasks.jsonl" || gen --source file --input "$TEST_TASKS" --output "$RUN/test_tasks.jsonl"
 else exists "$RUN/test_tasks.jsonl" || gen --num_tasks "$N_TEST" --seed $((SEED + 1)) --output "$RUN/test_tasks.jsonl"; fi
 VAL=(); [ "$N_VAL" -gt 0 ] && VAL=("$RUN/val_tasks.jsonl")  # validation tasks: each policy update keeps its best snapshot on them

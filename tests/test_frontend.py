@@ -282,6 +282,45 @@ def test_html_turn_classes():
     assert colbench.design_turn_class(task, [], right, True, feats.__getitem__) == "good"  # the last turn is the answer
 
 
+def test_house_style_pages_hide_changes_the_request_does_not_name(tmp_path):
+    """--house_style: the request states the house style and some changes; the hidden lines are other changes
+    and 1-3 facts keep the house style unstated, so the request does not tell which unstated facts are hidden.
+    The human and the turn classes read the hidden lines over the house style."""
+    hidden_of_unstated = []
+    for t in [generate_tasks.procedural_page(random.Random(s), house_style=True) for s in range(60)]:
+        hidden, request, design = colbench.design_in(t["hidden_information"]), colbench.request_design(t), colbench.design_of(t)
+        assert 2 <= len(hidden) <= 3 and len(design) == 5 and set(hidden) | set(request) == set(design)
+        assert all(colbench.HOUSE_STYLE[k] != v for k, v in hidden.items()) and not set(hidden) & set(request)
+        kept = [k for k, v in request.items() if colbench.HOUSE_STYLE[k] == v]
+        assert kept
+        assert all(v != colbench.HOUSE_STYLE[k] for k, v in colbench.design_in(
+            t["problem_description"].split(colbench.HOUSE_CHANGES)[-1]).items() if colbench.HOUSE_CHANGES in t["problem_description"])
+        hidden_of_unstated.append(len(hidden) / (len(hidden) + len(kept)))
+    assert 0.3 < sum(hidden_of_unstated) / len(hidden_of_unstated) < 0.8  # a guess from the request, not a certainty
+    # one page by hand: house style kept for the boxes and the title, the background and header hidden
+    house = colbench.HOUSE_STYLE
+    task = {"problem_description": "A page. " + " ".join([colbench.HOUSE_INTRO, *(colbench.design_fact(k, v) for k, v in
+                                                          house.items()), colbench.HOUSE_CHANGES, "The footer is red."]),
+            "hidden_information": "The page background is dark.\nThe header is green."}
+    assert colbench.design_of(task) == dict(house, background="dark", header="green", footer="red")
+    assert colbench.request_design(task) == {"boxes": "3", "footer": "red", "title": "left"}
+    assert colbench.known_design(task, [{"role": "user", "content": "hi"}]) == colbench.request_design(task)
+    design = colbench.design_of(task)
+    assert colbench.draft_reply(task["hidden_information"], dict(design, header="gray"),
+                                colbench.design_in(task["problem_description"])) == "Not quite. The header is green."
+    assert colbench.draft_reply(task["hidden_information"], design, colbench.design_in(task["problem_description"])) \
+        == "Yes, that is what I have in mind."  # the house style's white background, changed by a hidden line, is not asked for
+    feats = lambda html: dict(design, footer="gray") if "gray-700" in html else design
+    page = generate_tasks.design_page(design, "Gym")
+    hi = [{"role": "user", "content": "hi"}]
+    assert colbench.design_turn_class(task, hi, "What colour is the header?", False, feats) == "good"
+    assert colbench.design_turn_class(task, hi, "How many boxes go in the row?", False, feats) == "bad"  # kept: nothing hidden
+    assert colbench.design_turn_class(task, hi, f"I WANT TO ANSWER: {page}", False, feats) == "good"
+    run_script("generate_tasks.py", "--task_type", "html", "--num_tasks", "3", "--seed", "3", "--house_style",
+               "--output", tmp_path / "t.jsonl")
+    assert all(colbench.HOUSE_INTRO in t["problem_description"] for t in read_jsonl(tmp_path / "t.jsonl"))
+
+
 def test_compare_reports_html_similarity_win_rate_and_exact_design(tmp_path, capsys):
     rows = lambda rewards, exact: "".join(json.dumps({"task": {"problem_description": "p", "ground_truth": "g"}, "task_id": f"t{i}",
                                                      "sample": 0, "reward": r, "metric": "pixel_hist_v1", "success": e,

@@ -76,6 +76,9 @@ class Args:
     """turn: sum of per-turn mean log-ratios (paper) | trajectory: one mean over all agent tokens (released code)"""
     no_training_info: bool = False
     """ablation: the critic does not see the ground truth"""
+    training_info: str = "reference"
+    """what c is: reference (the reference solution, the paper's) | facts (the human's hidden lines, then the
+    reference solution; ours, for tasks with hidden_information)"""
     heldout_fraction: float = 0.1
     """share of tasks whose pairs are held out for evaluation"""
     eval_every: int = 5
@@ -115,11 +118,13 @@ class Args:
     """data order and held-out split"""
 
 
-def training_info(task, no_training_info=False):
-    """The critic's view of c: the reference solution, before the dialogue (never shown to the policy)."""
+def training_info(task, no_training_info=False, kind="reference"):
+    """The critic's view of c: the reference solution (kind facts: after the human's hidden lines), before the
+    dialogue (never shown to the policy)."""
     if no_training_info:
         return ""
-    return f"Reference solution (training-time information, hidden from the agent):\n{task['ground_truth']}\n\n"
+    facts = task.get("hidden_information", "").strip() if kind == "facts" else ""
+    return (f"What the human knows and has not said:\n{facts}\n\n" if facts else "") + f"Reference solution (training-time information, hidden from the agent):\n{task['ground_truth']}\n\n"
 
 
 # ================================ CRITIC SCORE AND LOSS ========================================
@@ -148,6 +153,7 @@ def critic_loss(score_chosen, score_rejected):
 def main(args):
     common.refuse(args.normalization not in ("turn", "trajectory") and "--normalization: choose turn or trajectory",
                   args.task_type not in ("code", "html") and f"--task_type {args.task_type}: choose code or html",
+                  args.training_info not in ("reference", "facts") and f"--training_info {args.training_info}: choose reference or facts",
                   args.pair_facts and args.task_type != "html" and "--pair_facts ranks html pages: use it with --task_type html",
                   args.beta <= 0 and "--beta must be positive", args.lr <= 0 and "--lr must be positive",
                   args.epochs < 1 and "--epochs must be at least 1", args.batch_size < 1 and "--batch_size must be at least 1",
@@ -169,7 +175,7 @@ def main(args):
     trajs = {id(t): t for pair in pairs for t in pair}
     for t in trajs.values():
         t["turns"] = colbench.agent_turns(t)
-        t["seqs"] = common.tokenize_turns(tok, t["turns"], training_info(t["task"], args.no_training_info), args.max_len)
+        t["seqs"] = common.tokenize_turns(tok, t["turns"], training_info(t["task"], args.no_training_info, args.training_info), args.max_len)
     # hold out the pairs of 10% of the tasks
     task_ids = sorted({c["task_id"] for c, _ in pairs})
     random.Random(args.seed).shuffle(task_ids)

@@ -133,6 +133,32 @@ def test_label_turns_advantage_equals_critic_score(tok_model, tiny_model, tmp_pa
     assert max(map(abs, labelled.tolist())) > 1e-3  # a real difference, not two zeros
 
 
+def test_label_turns_reads_c_as_its_critic_was_trained(tok_model, tiny_model):
+    """train_critic --training_info facts puts the human's hidden lines before the reference in c; label_turns
+    scores a critic's candidates on the c its run_settings name, and the two c give other advantages."""
+    tok, ref = tok_model
+    critic = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p in critic.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    task = dict(TASK, hidden_information="Double it.\nNegative inputs stay negative.")
+    facts = train_critic.training_info(task, kind="facts")
+    assert facts.endswith(train_critic.training_info(task)) and facts.index("Negative inputs") < facts.index("Reference")
+    assert train_critic.training_info(task, True, "facts") == "" and "Double" not in train_critic.training_info(task)
+    prompt = models.render_prompt(tok, colbench.agent_messages(task, [{"role": "user", "content": task["problem_description"]}]))
+    cands = ["What is the factor?", "I WANT TO ANSWER: def f(x): return x * 2"]
+    got = {}
+    for kind in ("reference", "facts"):
+        scorer = label_turns.Scorer(tok, {"c": critic}, {"c": {"beta": 0.3, "training_info": kind}}, ref, 4096, 10)
+        got[kind] = scorer.advantages(task, prompt, cands)["c"]
+        p_ids, c_ids = common.encode_shared(tok, train_critic.training_info(task, kind=kind), prompt, cands, 4096)
+        with torch.no_grad():
+            crit_sum, count = common.shared_prompt_logprobs(critic, p_ids, c_ids)
+            ref_sum, _ = common.shared_prompt_logprobs(ref, p_ids, c_ids)
+        assert got[kind] == pytest.approx(train_critic.turn_advantage(crit_sum, ref_sum, count, 0.3).tolist(), abs=1e-5)
+    assert max(abs(a - b) for a, b in zip(got["reference"], got["facts"])) > 1e-4
+
+
 def test_prefix_reuse_scoring_equals_naive(tok_model):
     tok, model = tok_model
     prompt = models.render_prompt(tok, colbench.agent_messages(TASK, [{"role": "user", "content": TASK["problem_description"]}]))

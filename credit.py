@@ -16,7 +16,8 @@ reading the state, the baseline a critic's accuracy should clear.
 
 With --critics, each critic (a train_critic.py output, e.g. of an edited critic variant) scores the
 candidates already in the states file, so variants are compared on identical turns without sampling
-again; the accuracies go to PAIRS.credit_rescored.json and the states file is left as it is.
+again; the accuracies go to PAIRS.credit_rescored.json, the states with the new advantages to
+PAIRS.states_rescored.jsonl, and the states file is left as it is.
 
 Deviations from the paper: none to speak of, as the paper has no such diagnostic; it measures a
 critic only by the policy it trains. True classes need the procedural tasks' scripted facts, so
@@ -298,6 +299,7 @@ def rescore(pairs_path, trajectories, critic_dirs, max_len=16384, max_batch_toke
         s["advantages_by_critic"]["untrained"] = [0.0] * len(s["candidates"])
     out = {"states": len(states), "critics": critic_dirs, **accuracies(states, list(groups), ensemble_members(groups))}
     common.write_text(f"{pairs_path}.credit_rescored.json", json.dumps(out, indent=2))
+    common.write_text(f"{pairs_path}.states_rescored.jsonl", "".join(json.dumps(s) + "\n" for s in states))
     print("turn-credit accuracy on the stored candidates: " + accuracy_line(out["credit_accuracy"]))
     print(kind_order_line(out["kind_order"]))
     return out

@@ -68,6 +68,11 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
     subprocess.run([sys.executable, "credit.py", "--pairs", run / "pairs.jsonl", "--trajectories", run / "train_graded.jsonl",
                     "--critics", f"again={run / 'critic'},no_info={run / 'critic_no_training_info'}"], cwd=ROOT, check=True)
     again = json.loads((run / "pairs.jsonl.credit_rescored.json").read_text())
+    # the states, with the new critics' advantages
+    rescored = [json.loads(line) for line in (run / "pairs.jsonl.states_rescored.jsonl").read_text().splitlines()]
+    assert len(rescored) == len([s for s in states if s.get("classes")])
+    assert all(r["advantages_by_critic"]["again"] == pytest.approx(s["advantages_by_critic"]["sweet"], abs=1e-4)
+               for r, s in zip(rescored, (s for s in states if s.get("classes"))))
     for new, old in (("again", "sweet"), ("no_info", "no_training_info")):
         assert again["class_pairs"][new] == report["class_pairs"][old]
         assert again["credit_accuracy"][new] == report["credit_accuracy"][old] or \

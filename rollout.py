@@ -189,7 +189,7 @@ def html_oracle_turn(task, dialogue, turn, plan, rng, args):
     answer_now, stall = oracle_decides(plan, facts, known, turn, args)
     approved = dialogue[-1]["role"] == "user" and dialogue[-1]["content"].startswith("Yes, that is")
 
-    def wasted():  # asks again about a fact it has heard, about a fact a house style keeps, or about something no fact covers
+    def wasted():  # asks again about a fact it has heard (or one a house style keeps), or about something no fact covers
         heard = sorted(k for k, v in hidden.items() if colbench.design_fact(k, v) in known)
         if colbench.HOUSE_INTRO in task["problem_description"]:
             heard += [k for k, v in colbench.request_design(task).items() if colbench.HOUSE_STYLE[k] == v]

@@ -31,6 +31,7 @@ Deviations from the paper / released code:
 6. `--extra_trajectories` (ours, off by default): more dialogues of the train tasks join the pairs, e.g. run.sh's
    CRITIC_CONTRAST scripted ones (a hasty answer, a dialogue that never stops asking): off-policy data the
    critic learns from and labelling never samples states of.
+7. `--training_info facts` (ours, off by default): c is the human's hidden lines, then the reference solution.
 """
 from __future__ import annotations
 
@@ -124,7 +125,8 @@ def training_info(task, no_training_info=False, kind="reference"):
     if no_training_info:
         return ""
     facts = task.get("hidden_information", "").strip() if kind == "facts" else ""
-    return (f"What the human knows and has not said:\n{facts}\n\n" if facts else "") + f"Reference solution (training-time information, hidden from the agent):\n{task['ground_truth']}\n\n"
+    reference = f"Reference solution (training-time information, hidden from the agent):\n{task['ground_truth']}\n\n"
+    return (f"What the human knows and has not said:\n{facts}\n\n" if facts else "") + reference
 
 
 # ================================ CRITIC SCORE AND LOSS ========================================

@@ -190,10 +190,10 @@ def html_oracle_turn(task, dialogue, turn, plan, rng, args):
     approved = dialogue[-1]["role"] == "user" and dialogue[-1]["content"].startswith("Yes, that is")
 
     def wasted():  # asks again about a fact it has heard (or one a house style keeps), or about something no fact covers
-        heard = sorted(k for k, v in hidden.items() if colbench.design_fact(k, v) in known)
+        nothing_new = sorted(k for k, v in hidden.items() if colbench.design_fact(k, v) in known)
         if colbench.HOUSE_INTRO in task["problem_description"]:
-            heard += [k for k, v in colbench.request_design(task).items() if colbench.HOUSE_STYLE[k] == v]
-        return DESIGN_QUESTIONS[rng.choice(heard)] if heard and rng.random() < 0.5 else rng.choice(HTML_DETOURS)
+            nothing_new += [k for k, v in colbench.request_design(task).items() if colbench.HOUSE_STYLE[k] == v]
+        return DESIGN_QUESTIONS[rng.choice(nothing_new)] if nothing_new and rng.random() < 0.5 else rng.choice(HTML_DETOURS)
     if answer_now or approved:
         return wasted() if stall else f"{colbench.ANSWER_MARKER}\n{page()}"
     if rng.random() < args.oracle_detour:

@@ -310,7 +310,7 @@ def test_house_style_pages_hide_changes_the_request_does_not_name(tmp_path):
                                 colbench.design_in(task["problem_description"])) == "Not quite. The header is green."
     assert colbench.draft_reply(task["hidden_information"], design, colbench.design_in(task["problem_description"])) \
         == "Yes, that is what I have in mind."  # the house style's white background, changed by a hidden line, is not asked for
-    feats = lambda html: dict(design, footer="gray") if "gray-700" in html else design
+    feats = lambda html: design  # every page here renders the design (the browser path is tested above)
     page = generate_tasks.design_page(design, "Gym")
     hi = [{"role": "user", "content": "hi"}]
     assert colbench.design_turn_class(task, hi, "What colour is the header?", False, feats) == "good"

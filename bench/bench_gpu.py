@@ -5,7 +5,7 @@ from configs with random weights rounded to bf16 (as a released bf16 checkpoint 
 nothing is downloaded; the data are a finished run's trajectories and turn-level pairs.
 
     python bench/bench_gpu.py --run_dir runs/default --tokenizer ~/.cache/sweetrl/SmolLM2-135M-Instruct \
-        --out runs/bench_gpu                      # shapes 135m (SmolLM2's own config) and 1b (Llama-3.2-1B's)
+        --out runs/bench_gpu                      # shapes 135m (SmolLM2's own config), 1b, 3b (Llama-3.2's)
 
 Checks, each printed PASS or FAIL (the exit status is 1 if any fails):
 - after one critic run and one DPO run at lr 2e-7, at least 90% of the elements of every trained
@@ -29,11 +29,13 @@ p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDes
 p.add_argument("--run_dir", required=True, help="a finished html run: its train_graded.jsonl and pairs.jsonl")
 p.add_argument("--tokenizer", required=True, help="a folder with the tokenizer files and SmolLM2-135M's config.json")
 p.add_argument("--out", required=True)
-p.add_argument("--shapes", default="135m,1b")
+p.add_argument("--shapes", default="135m,1b", help="comma-separated: 135m, 1b, 3b")
 p.add_argument("--dpo_epochs", type=float, default=1.0)
 p.add_argument("--max_tasks", type=int, default=8, help="the first N tasks' trajectories and their turn-level pairs (0: all)")
 p.add_argument("--stage_timeout", type=float, default=600, help="seconds a stage may run")
 p.add_argument("--stages", default="critic,dpo,dpo_bf16,label,rollout", help="which to run (label and rollout: 135m only)")
+p.add_argument("--code_tasks", default="", help="the rollout stage's code tasks (default: 8 made here, which runs their "
+               "ground truths in the sandbox; pass a file made elsewhere where no sandbox runs)")
 a = p.parse_args()
 out = Path(a.out)
 out.mkdir(parents=True, exist_ok=True)
@@ -91,9 +93,10 @@ def build(shape):
     tok = AutoTokenizer.from_pretrained(a.tokenizer)
     if shape == "135m":
         cfg = AutoConfig.from_pretrained(a.tokenizer)
-    else:  # Llama-3.2-1B's shape on SmolLM2's vocabulary
-        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+    else:  # Llama-3.2-1B's or -3B's shape on SmolLM2's vocabulary
+        hidden, layers, heads = {"1b": (2048, 16, 32), "3b": (3072, 28, 24)}[shape]
+        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=8192, num_hidden_layers=layers,
+                          num_attention_heads=heads, num_key_value_heads=8, max_position_embeddings=8192,
                           rope_theta=500000.0, tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
@@ -178,9 +181,10 @@ for shape in a.shapes.split(","):
         check("labelling writes turn-level pairs", ok and n_pairs > 0, f"{n_states} states, {n_pairs} pairs")
         save()
     if "rollout" in stages:
-        tasks, dialogues = out / "code_tasks.jsonl", out / "rollouts_135m.jsonl"
-        subprocess.run([sys.executable, "generate_tasks.py", "--num_tasks", "8", "--seed", "7", "--output", str(tasks)],
-                       cwd=ROOT, check=True, capture_output=True)
+        tasks, dialogues = Path(a.code_tasks or out / "code_tasks.jsonl"), out / "rollouts_135m.jsonl"
+        if not a.code_tasks:
+            subprocess.run([sys.executable, "generate_tasks.py", "--num_tasks", "8", "--seed", "7", "--output", str(tasks)],
+                           cwd=ROOT, check=True, capture_output=True)
         sim_log = out / "simulator.log"  # as run.sh starts it: any free port, the URL read from its log
         sim = subprocess.Popen([sys.executable, "simulator.py", "--port", "0"], cwd=ROOT,
                                stdout=open(sim_log, "w"), stderr=subprocess.STDOUT)

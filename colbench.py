@@ -335,6 +335,14 @@ def request_design(task):
     return {k: v for k, v in design_in(task.get("problem_description", "")).items() if k not in hidden}
 
 
+def kept_design(task):
+    """{key: value} of the facts a house-style page's request keeps at the house style without naming them (ours,
+    generate_tasks.py --house_style): known to the agent, and only c tells them from hidden ones. Empty on other pages."""
+    if HOUSE_INTRO not in task.get("problem_description", ""):
+        return {}
+    return {k: v for k, v in request_design(task).items() if HOUSE_STYLE[k] == v}
+
+
 def known_design(task, dialogue):
     """{key: value} of the design facts the agent has been told by the end of `dialogue`: those its request
     states and the hidden ones the human has said."""

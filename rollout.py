@@ -191,8 +191,7 @@ def html_oracle_turn(task, dialogue, turn, plan, rng, args):
 
     def wasted():  # asks again about a fact it has heard (or one a house style keeps), or about something no fact covers
         nothing_new = sorted(k for k, v in hidden.items() if colbench.design_fact(k, v) in known)
-        if colbench.HOUSE_INTRO in task["problem_description"]:
-            nothing_new += [k for k, v in colbench.request_design(task).items() if colbench.HOUSE_STYLE[k] == v]
+        nothing_new += list(colbench.kept_design(task))
         return DESIGN_QUESTIONS[rng.choice(nothing_new)] if nothing_new and rng.random() < 0.5 else rng.choice(HTML_DETOURS)
     if answer_now or approved:
         return wasted() if stall else f"{colbench.ANSWER_MARKER}\n{page()}"

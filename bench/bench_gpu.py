@@ -37,6 +37,8 @@ p.add_argument("--stages", default="critic,dpo,dpo_bf16,label,rollout", help="wh
 p.add_argument("--code_tasks", default="", help="the rollout stage's code tasks (default: 8 made here, which runs their "
                "ground truths in the sandbox; pass a file made elsewhere where no sandbox runs)")
 a = p.parse_args()
+if unknown := set(a.shapes.split(",")) - {"135m", "1b", "3b"}:
+    p.error(f"--shapes: unknown {', '.join(sorted(unknown))}; choose from 135m, 1b, 3b")
 out = Path(a.out)
 out.mkdir(parents=True, exist_ok=True)
 results, failures = {}, []

@@ -33,9 +33,7 @@ def subject(task, before, question):
     k = named[0]
     if k in colbench.design_in(task["hidden_information"]):
         return "heard" if k in colbench.design_in("\n".join(colbench.revealed_facts(task, before))) else "hidden"
-    request = colbench.request_design(task)
-    house = colbench.HOUSE_INTRO in task["problem_description"]
-    return "kept" if house and request.get(k) == colbench.HOUSE_STYLE[k] else "stated"
+    return "kept" if k in colbench.kept_design(task) else "stated"
 
 
 def main():

@@ -305,6 +305,8 @@ def test_house_style_pages_hide_changes_the_request_does_not_name(tmp_path):
     assert colbench.design_of(task) == dict(house, background="dark", header="green", footer="red")
     assert colbench.request_design(task) == {"boxes": "3", "footer": "red", "title": "left"}
     assert colbench.known_design(task, [{"role": "user", "content": "hi"}]) == colbench.request_design(task)
+    assert colbench.kept_design(task) == {"boxes": "3", "title": "left"}  # the stated change is not kept
+    assert colbench.kept_design(dict(task, problem_description="A page. The footer is red.")) == {}
     design = colbench.design_of(task)
     assert colbench.draft_reply(task["hidden_information"], dict(design, header="gray"),
                                 colbench.design_in(task["problem_description"])) == "Not quite. The header is green."

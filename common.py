@@ -294,10 +294,13 @@ class ChatClient:
                 "max_tokens": max_tokens, **extra}
         return self._request("POST", "/chat/completions", json=body)["choices"][0]["message"]["content"] or ""
 
-    def complete(self, prompt, temperature=0.0, max_tokens=256, **extra):
-        """Raw-prompt completion (/v1/completions): the prompt string is used exactly as given."""
+    def complete(self, prompt, temperature=0.0, max_tokens=256, choice=False, **extra):
+        """Raw-prompt completion (/v1/completions): the prompt string is used exactly as given. Returns
+        its text, or with choice=True the server's whole choice (text, finish_reason: "length" when
+        max_tokens cut it off)."""
         body = {"model": self.model, "prompt": prompt, "temperature": temperature, "max_tokens": max_tokens, **extra}
-        return self._request("POST", "/completions", json=body)["choices"][0]["text"] or ""
+        first = self._request("POST", "/completions", json=body)["choices"][0]
+        return first if choice else first["text"] or ""
 
     def chat_many(self, list_of_messages, errors=False, **kw):
         """One reply per message list; with errors=True a request that fails for good gives its

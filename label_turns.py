@@ -43,6 +43,9 @@ Deviations from the paper / released code:
    advantage of their first line before the whole turn's: a page's mean log-ratio is ~150 tokens the reference
    page predicts, which makes a critic lean to answering or to asking whatever the state; its first line is the
    decision alone.
+6. A candidate the token cap (--max_new_tokens) cut off is never chosen over one that ended its turn (ours):
+   DPO trains a turn with its end-of-turn token, which the policy never picked there, and a cut page or
+   draft is broken, so it teaches the policy to end turns mid-page.
 """
 from __future__ import annotations
 
@@ -126,17 +129,20 @@ class Args:
     for all of them and pi_ref (common.FrozenBottom; the same advantages)"""
 
 
-def make_pairs(candidates, advantages, k, rng, decisions=None):
+def make_pairs(candidates, advantages, k, rng, decisions=None, cut=None):
     """Up to k distinct pairs: one candidate from the better half and one from the worse half, the
     higher one chosen; identical texts never pair, and no pair of texts repeats. The pairs with the
     largest advantage gaps come first (the critic's surest preferences; ties in random order).
     decisions (--cross_kind decision): each candidate's first-line advantage, which ranks first; the whole
-    turn's advantage orders candidates of one first line (e.g. two answers), and the gap is the first that differs."""
+    turn's advantage orders candidates of one first line (e.g. two answers), and the gap is the first that differs.
+    cut (the sampler's): candidates the token cap cut off, never chosen over one that ended its turn."""
     key = (lambda i: (decisions[i], advantages[i])) if decisions is not None else (lambda i: (advantages[i],))
     gap = lambda a, b: next((x - y for x, y in zip(key(a), key(b)) if x != y), 0.0)
     order = sorted(range(len(candidates)), key=lambda i: [-x for x in key(i)])
     better, worse = order[: len(order) // 2], order[len(order) // 2:]
-    options = [(a, b) for a in better for b in worse if candidates[a] != candidates[b] and key(a) > key(b)]
+    cut = cut or [False] * len(candidates)
+    options = [(a, b) for a in better for b in worse
+               if candidates[a] != candidates[b] and key(a) > key(b) and cut[b] >= cut[a]]
     rng.shuffle(options)
     options.sort(key=lambda p: -gap(*p))  # stable: the shuffle orders equal gaps
     pairs, seen = [], set()
@@ -320,25 +326,27 @@ def label(args, todo, critic_dirs, groups, critic_settings, ref_name, policy_nam
                 for k in range(args.num_candidates)]
         sampled = sampler.generate([prompt for _, _, prompt in chunk for _ in range(args.num_candidates)], keys)
         for j, state in enumerate(chunk):  # the policy never sees c
-            candidates = sampled[j * args.num_candidates:(j + 1) * args.num_candidates]
-            label_state(state, candidates, scorer, args.pairs_per_state, rng, pairs_out, state_log, args.cross_kind == "decision")
+            mine = slice(j * args.num_candidates, (j + 1) * args.num_candidates)
+            label_state(state, sampled[mine], scorer, args.pairs_per_state, rng, pairs_out, state_log,
+                        args.cross_kind == "decision", sampler.cut[mine])
             bar.update(1)
     bar.close()
     scorer.classes.close()
 
 
-def label_state(state, candidates, scorer, pairs_per_state, rng, pairs_out, state_log, decide=False):
+def label_state(state, candidates, scorer, pairs_per_state, rng, pairs_out, state_log, decide=False, cut=None):
     """Score one state's candidates with every critic, write its pairs and its states.jsonl row. decide: rank
-    by the first line's advantage first (--cross_kind decision)."""
+    by the first line's advantage first (--cross_kind decision); cut: the candidates the token cap cut off."""
     traj, turn, prompt = state
     advantages, decisions = scorer.advantages(traj["task"], prompt, candidates, decisions=True) if decide else \
         (scorer.advantages(traj["task"], prompt, candidates), None)
     advantage = advantages["sweet"]
     base = {"task_id": traj["task_id"], "sample": traj.get("sample", 0), "turn": turn}
-    for a, b in make_pairs(candidates, advantage, pairs_per_state, rng, decisions and decisions["sweet"]):
+    for a, b in make_pairs(candidates, advantage, pairs_per_state, rng, decisions and decisions["sweet"], cut):
         pairs_out.write({"prompt": prompt, "chosen": candidates[a], "rejected": candidates[b],
                          "chosen_advantage": advantage[a], "rejected_advantage": advantage[b], **base})
-    row = {**base, "candidates": candidates, "advantages": advantage, **({"decisions": decisions["sweet"]} if decide else {})}
+    row = {**base, "candidates": candidates, "advantages": advantage, **({"decisions": decisions["sweet"]} if decide else {}),
+           **({"cut": list(cut)} if cut is not None else {})}
     classes = scorer.classes(traj, turn, candidates)
     if classes is not None:  # procedural task: every candidate's true class
         row["classes"] = classes

@@ -321,6 +321,7 @@ class HFSampler:
         self.prompt_tokens = {"reused": 0, "run": 0}  # prompt tokens taken from a cache / run through the model
         self.rows_decoded = 0  # rows summed over decoding steps (a finished row stops counting)
         self.end_tokens = {self.tok.eos_token_id, self.tok.pad_token_id}  # a row that picks one has ended its turn
+        self.cut = []  # after generate: for each text, whether max_new_tokens cut it off before it ended its turn
 
     def generate(self, prompts, keys=None):
         if self.reuse and keys:
@@ -333,6 +334,11 @@ class HFSampler:
             batch = self.tok.pad({"input_ids": [ids[p] for p in row]}, return_tensors="pt").to(self.device)
             expand = self.torch.tensor([row[p] for p in part], device=self.device)
             new += self._generate(batch["input_ids"], batch["attention_mask"], expand=expand)[0]
+        return self.decode(new)
+
+    def decode(self, new):
+        """The texts of decoded rows; self.cut says which rows the token cap cut off (no end-of-turn token)."""
+        self.cut = [not x or x[-1] not in self.end_tokens for x in new]
         return self.tok.batch_decode(new, skip_special_tokens=True)
 
     def sub_batches(self, prompts, lengths=None):
@@ -438,7 +444,7 @@ class HFSampler:
         self.cache = {}
         new, kv = self._generate(input_ids.to(self.device), mask.to(self.device), cache, keep_cache=True)
         self.cache = {d: (x + gen[:-1], layers) for d, x, gen, layers in zip(dialogues, ids, new, kv)}  # absent dialogues have ended
-        return self.tok.batch_decode(new, skip_special_tokens=True)
+        return self.decode(new)
 
     def _prefix_cache(self, dialogues, reuse, Ls):
         """The batch's KV cache of generate_reusing: row i holds the first reuse[i] cached tokens of dialogue i,
@@ -478,7 +484,9 @@ class OpenAISampler(SeededRequests):
 
     def generate(self, prompts, keys=None):
         ids, seeds = self.requests(prompts, keys)
-        return self.client.complete_many(ids, seeds=seeds, **self.kw)
+        choices = self.client.complete_many(ids, seeds=seeds, choice=True, **self.kw)
+        self.cut = [c.get("finish_reason") == "length" for c in choices]  # as HFSampler.cut
+        return [c.get("text") or "" for c in choices]
 
 
 def rank_gpu(env):
@@ -541,7 +549,9 @@ class VLLMSampler(SeededRequests):
         from vllm import SamplingParams
         ids, seeds = self.requests(prompts, keys)
         params = [SamplingParams(seed=s, **self.kw) for s in seeds]
-        return [o.outputs[0].text for o in self.llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)]
+        outs = [o.outputs[0] for o in self.llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)]
+        self.cut = [o.finish_reason == "length" for o in outs]  # as HFSampler.cut
+        return [o.text for o in outs]
 
 
 def make_sampler(backend, model, temperature, top_p, max_new_tokens, seed, url="", workers=16,

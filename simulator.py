@@ -204,7 +204,8 @@ class HFBackend:
         return len(self.tok(text, add_special_tokens=False)["input_ids"])
 
     def complete(self, prompt, max_tokens, temperature=0.0):
-        """prompt: a string (tokenised as given, no special tokens added) or a list of token ids."""
+        """prompt: a string (tokenised as given, no special tokens added) or a list of token ids.
+        Returns (text, finish_reason): "length" when max_tokens cut the text off, else "stop"."""
         if isinstance(prompt, list):
             if not all(isinstance(t, int) for t in prompt):
                 raise ValueError("prompt: a string or a list of token ids")
@@ -215,10 +216,12 @@ class HFBackend:
             out = self.model.generate(**ids, max_new_tokens=max_tokens, do_sample=temperature > 0,
                                       temperature=temperature or None, top_p=None, top_k=None,
                                       pad_token_id=self.tok.pad_token_id)
-        return self.tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+        new = out[0, ids["input_ids"].shape[1]:].tolist()
+        ended = bool(new) and new[-1] in (self.tok.eos_token_id, self.tok.pad_token_id)
+        return self.tok.decode(new, skip_special_tokens=True), "stop" if ended or len(new) < max_tokens else "length"
 
     def chat(self, messages, max_tokens):
-        return self.complete(models.render_prompt(self.tok, messages), max_tokens).strip()
+        return self.complete(models.render_prompt(self.tok, messages), max_tokens)[0].strip()
 
 
 def make_handler(backend, default_max_tokens):
@@ -245,11 +248,12 @@ def make_handler(backend, default_max_tokens):
                 req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
                 max_tokens = req.get("max_tokens") or default_max_tokens
                 chat = self.path.rstrip("/") == "/v1/chat/completions"
+                finish = "stop"  # a chat reply (the human's) is never reported cut
                 if chat:
                     text = backend.chat(req["messages"], max_tokens)
                     prompt = [m["content"] for m in req["messages"]]
                 elif self.path.rstrip("/") == "/v1/completions":
-                    text = backend.complete(req["prompt"], max_tokens, req.get("temperature", 0.0))
+                    text, finish = backend.complete(req["prompt"], max_tokens, req.get("temperature", 0.0))
                     prompt = req["prompt"]
                 else:
                     return self.send_json(404, {"error": {"message": f"no route {self.path}"}})
@@ -260,7 +264,7 @@ def make_handler(backend, default_max_tokens):
             usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
             head = {"id": f"cmpl-{time.time_ns()}", "created": int(time.time()), "model": backend.name}
             if not req.get("stream"):
-                choice = {"index": 0, "finish_reason": "stop",
+                choice = {"index": 0, "finish_reason": finish,
                           **({"message": {"role": "assistant", "content": text}} if chat else {"text": text})}
                 return self.send_json(200, {**head, "object": "chat.completion" if chat else "text_completion",
                                             "choices": [choice], "usage": usage})
@@ -268,7 +272,7 @@ def make_handler(backend, default_max_tokens):
             kind = "chat.completion.chunk" if chat else "text_completion"
             part = lambda d, end: {"index": 0, "finish_reason": end, **({"delta": d} if chat else {"text": d.get("content", "")})}
             events = [{**head, "object": kind, "choices": [part({"role": "assistant", "content": text}, None)]},
-                      {**head, "object": kind, "choices": [part({}, "stop")]}]
+                      {**head, "object": kind, "choices": [part({}, finish)]}]
             if (req.get("stream_options") or {}).get("include_usage"):
                 events.append({**head, "object": kind, "choices": [], "usage": usage})
             self.send_response(200)

@@ -287,6 +287,8 @@ def test_decoding_drops_finished_rows_and_equals_generate(tiny_model):
     cut = lambda row: row[:row.index(end) + 1] if end in row else row
     assert ours == [cut(r) for r in ref] and len(ours[0]) == 3
     assert sampler.rows_decoded - before == sum(map(len, ours)) < 3 * 8  # finished rows left the batch
+    sampler.generate(["Write f(x).", "Write a much longer g(x, y) for me, please, with care."])
+    assert sampler.cut == [False, end not in ref[1]]  # the token cap cut off only a row that never ended
     # N samples of one prompt share its prefill: greedy, each equals the prompt decoded alone
     sampler.end_tokens = {sampler.tok.eos_token_id}
     prompts = ["Hi", "Write f(x).", "Hi", "Hi"]

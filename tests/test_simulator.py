@@ -7,6 +7,7 @@ import pytest
 
 import colbench
 import common
+import models
 
 TASK = {"problem_description": "Label a score. The signature of the function is: def grade_exam(score)",
         "hidden_information": "A score of 62 or more gets the label 'gold'.\nA score below 62 gets the label 'silver'.\n"
@@ -121,6 +122,10 @@ def test_hf_backend_serves_chat_and_completions_for_the_openai_agent(tiny_model,
         client = common.ChatClient(url)
         assert client.model == tiny_model
         assert isinstance(client.chat([{"role": "user", "content": "hello"}], max_tokens=4), str)
+        sampler = models.OpenAISampler(tiny_model, 0.0, 1.0, 5, 0, url)  # the tiny model never ends a turn
+        texts = sampler.generate(["Write f(x).", "Hi"])
+        assert len(texts) == 2 and sampler.cut == [True, True]
+        assert client.complete("Hi", max_tokens=3, choice=True)["finish_reason"] == "length"
         train, _ = task_files
         run_script("rollout.py", "--tasks", train, "--output", tmp_path / "r.jsonl", "--num_tasks", "2", "--max_turns", "2",
                    "--agent_backend", "openai", "--agent_url", url, "--agent_model", tiny_model,

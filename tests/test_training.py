@@ -353,6 +353,12 @@ def test_pairs_come_from_opposite_halves_largest_gaps_first():
     left_out = min(adv[a] - adv[b] for a, b in pairs)
     assert all(adv[a] - adv[b] <= left_out for a, b in every if (a, b) not in pairs)
     assert label_turns.make_pairs(["same"] * 4, [1, 2, 3, 4], 4, rng) == []  # identical candidates never pair
+    # a candidate the token cap cut off is never chosen over one that ended; over another cut one it may be
+    cut = [i in order[:2] or i == order[-1] for i in range(16)]  # the two best and the worst were cut off
+    kept = label_turns.make_pairs(cands, adv, 100, rng, cut=cut)
+    assert kept and all(not cut[a] or cut[b] for a, b in kept)
+    assert {a for a, _ in kept if cut[a]} == set(order[:2]) and all(b == order[-1] for a, b in kept if cut[a])
+    assert len(kept) == 64 - 2 * 7  # the two best lose their pairs with the 7 worse that ended
 
 
 def test_pairs_by_decision_rank_first_lines_before_whole_turns():
@@ -522,6 +528,7 @@ def test_label_turns_then_dpo_modes(tiny_model, tmp_path):
         label_turns.Scorer.load({"sweet": tmp_path / "critic"}, critic_settings, ref_name, torch.device("cpu"),
                                 4096, 10, 65536, dtype="float16")
     assert len(states) >= 3 and all(len(s["candidates"]) == 4 for s in states)
+    assert all(s["cut"] == [True] * 4 for s in states)  # the tiny model never ends a turn: 8 tokens cut every one
     # an ensemble (--critic DIR+DIR): each member scores as it does alone, and a candidate's advantage is their mean
     run_script("train_critic.py", "--trajectories", tmp_path / "g.jsonl", "--model", tiny_model, "--output_dir",
                tmp_path / "critic2", "--lr", "3e-3", "--epochs", "1", "--train_layers", "1", "--seed", "1")

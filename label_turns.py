@@ -4,7 +4,8 @@ Reads:  graded trajectories JSONL (each stored agent `input` is a state o_t) and
         train_critic.py (its run_settings.json names pi_ref, and whether it sees c).
 Writes: PAIRS JSONL, one pair a line: prompt, chosen, rejected, chosen_advantage,
         rejected_advantage, task_id, sample, turn; and PAIRS.states.jsonl, one labelled state a line
-        (all candidates and advantages; it marks the state done, so a rerun resumes).
+        (all candidates and advantages, and which the token cap cut off; it marks the state done, so a rerun
+        resumes).
 
     python label_turns.py --trajectories runs/train_graded.jsonl --critic runs/critic --output runs/pairs.jsonl
     python label_turns.py ... --agent_backend vllm --policy meta-llama/Llama-3.1-8B-Instruct

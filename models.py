@@ -217,6 +217,11 @@ def growing_cache(reserve, dtype=None):
     return GrowingCache()
 
 
+def cut_off(new_ids, end_tokens):
+    """Whether the token cap cut a turn off: its new token ids end without an end-of-turn token."""
+    return not new_ids or new_ids[-1] not in end_tokens
+
+
 def sample_rows(probs):
     """One token per row of probs ([rows, vocab], each row's weights need not sum to 1), drawn by
     inverting the row's cumulative distribution at one uniform number: the same distribution as
@@ -338,7 +343,7 @@ class HFSampler:
 
     def decode(self, new):
         """The texts of decoded rows; self.cut says which rows the token cap cut off (no end-of-turn token)."""
-        self.cut = [not x or x[-1] not in self.end_tokens for x in new]
+        self.cut = [cut_off(x, self.end_tokens) for x in new]
         return self.tok.batch_decode(new, skip_special_tokens=True)
 
     def sub_batches(self, prompts, lengths=None):

@@ -217,8 +217,8 @@ class HFBackend:
                                       temperature=temperature or None, top_p=None, top_k=None,
                                       pad_token_id=self.tok.pad_token_id)
         new = out[0, ids["input_ids"].shape[1]:].tolist()
-        ended = bool(new) and new[-1] in (self.tok.eos_token_id, self.tok.pad_token_id)
-        return self.tok.decode(new, skip_special_tokens=True), "stop" if ended or len(new) < max_tokens else "length"
+        cut = models.cut_off(new, {self.tok.eos_token_id, self.tok.pad_token_id})
+        return self.tok.decode(new, skip_special_tokens=True), "length" if cut else "stop"
 
     def chat(self, messages, max_tokens):
         return self.complete(models.render_prompt(self.tok, messages), max_tokens)[0].strip()

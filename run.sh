@@ -40,6 +40,11 @@ if [ "${TASK_TYPE:-code}" = html ] && [ "${SMALL:-0}" != 1 ] && [ -z "${TRAIN_TA
   # line before the whole turn's; validation kept a better update with it on 3 of 5 draws (SEED=5, 8, 9: +5.9, +14.9,
   # +3.6 against +3.3, +3.8, the start; docs/frontend.md, "A decision ranked by its first line")
   : "${LABEL_CROSS_KIND:=decision}"
+  # CRITICS 2: labelling ranks by the mean advantage of two critics of each kind (seeds SEED, SEED+1000), as one
+  # critic's seed decides which kind of turn it leans to; on the stored candidates of three draws the mean scored
+  # 0.737, 0.730, 0.717 turn-credit against the run's one critic's 0.703, 0.727, 0.478, and gave more right DPO
+  # pairs (144, 188, 150 against 133, 184, 79); ~10 min more (docs/frontend.md, "Two critics of each kind become")
+  : "${CRITICS:=2}"
   : "${REPORT_DIALOGUES:=20}"  # the viewer over html dialogues took 3.8 min at 40 per method
   # TRAIN_DTYPE bfloat16 where the CPU has bf16 instructions: the critics and DPO under bf16 autocast (fp32
   # weights), the warm-up SFT still fp32 (WARMUP_DTYPE auto), as a bf16 warm-up is another starting policy
@@ -106,7 +111,7 @@ HOUSE_STYLE=${HOUSE_STYLE:-0}         # procedural html pages: 1 states a house 
 CRITIC_CONTRAST=${CRITIC_CONTRAST:-0}  # critics: 1 adds to their pairs, per train task, a hasty oracle dialogue (answers with
                                       # unheard facts guessed) and a stalling one (never answers once told everything); ours
 GROUP_BY_TASK=${GROUP_BY_TASK:-0}     # critics: a task's pairs side by side in the batches, each trajectory scored once a step
-CRITICS=${CRITICS:-1}                 # critics of each kind, trained with seeds SEED, SEED+1000, ...: 2 or more are an ensemble whose
+CRITICS=${CRITICS:-1}                 # critics of each kind (html: 2), trained with seeds SEED, SEED+1000, ...: 2 or more are an ensemble whose
                                       # advantage is their mean (label_turns.py; docs/frontend.md, "Critics from other seeds")
 CREDIT_VARIANTS=${CREDIT_VARIANTS:-1}  # critic ablations for turn-credit accuracy: 1 without training-time information, 2 also the trajectory-mean form
 BATCH_SIZE=${BATCH_SIZE:-64}          # rollout dialogues per batch

@@ -43,7 +43,7 @@ if [ "${TASK_TYPE:-code}" = html ] && [ "${SMALL:-0}" != 1 ] && [ -z "${TRAIN_TA
   # CRITICS 2: labelling ranks by the mean advantage of two critics of each kind (seeds SEED, SEED+1000), as one
   # critic's seed decides which kind of turn it leans to; on the stored candidates of three draws the mean scored
   # 0.737, 0.730, 0.717 turn-credit against the run's one critic's 0.703, 0.727, 0.478, and gave more right DPO
-  # pairs (144, 188, 150 against 133, 184, 79); ~10 min more (docs/frontend.md, "Two critics of each kind become")
+  # pairs (144, 188, 150 against 133, 184, 79); ~12 min more (docs/frontend.md, "Two critics of each kind become")
   : "${CRITICS:=2}"
   : "${REPORT_DIALOGUES:=20}"  # the viewer over html dialogues took 3.8 min at 40 per method
   # TRAIN_DTYPE bfloat16 where the CPU has bf16 instructions: the critics and DPO under bf16 autocast (fp32

@@ -217,9 +217,14 @@ def growing_cache(reserve, dtype=None):
     return GrowingCache()
 
 
-def cut_off(new_ids, end_tokens):
-    """Whether the token cap cut a turn off: its new token ids end without an end-of-turn token."""
-    return not new_ids or new_ids[-1] not in end_tokens
+def end_tokens(tok):
+    """The token ids that end a turn: a row that picks one has ended it (HFSampler, simulator.py's HFBackend)."""
+    return {tok.eos_token_id, tok.pad_token_id}
+
+
+def cut_off(new_ids, ends):
+    """Whether the token cap cut a turn off: its new token ids end without one of ends (end_tokens)."""
+    return not new_ids or new_ids[-1] not in ends
 
 
 def sample_rows(probs):
@@ -325,7 +330,7 @@ class HFSampler:
         self.reuse, self.cache = reuse_cache, {}  # dialogue -> (token ids, [(keys, values)] per layer)
         self.prompt_tokens = {"reused": 0, "run": 0}  # prompt tokens taken from a cache / run through the model
         self.rows_decoded = 0  # rows summed over decoding steps (a finished row stops counting)
-        self.end_tokens = {self.tok.eos_token_id, self.tok.pad_token_id}  # a row that picks one has ended its turn
+        self.end_tokens = end_tokens(self.tok)  # a row that picks one has ended its turn
         self.cut = []  # after generate: for each text, whether max_new_tokens cut it off before it ended its turn
 
     def generate(self, prompts, keys=None):

@@ -212,13 +212,13 @@ class HFBackend:
             ids = {"input_ids": self.torch.tensor([prompt]), "attention_mask": self.torch.ones(1, len(prompt), dtype=self.torch.long)}
         else:
             ids = self.tok(prompt, return_tensors="pt", add_special_tokens=False)
+        end = models.end_tokens(self.tok)  # generation stops on the tokens that tell a cut-off text from an ended one
         with self.lock, self.torch.no_grad():
             out = self.model.generate(**ids, max_new_tokens=max_tokens, do_sample=temperature > 0,
                                       temperature=temperature or None, top_p=None, top_k=None,
-                                      pad_token_id=self.tok.pad_token_id)
+                                      eos_token_id=sorted(end), pad_token_id=self.tok.pad_token_id)
         new = out[0, ids["input_ids"].shape[1]:].tolist()
-        cut = models.cut_off(new, {self.tok.eos_token_id, self.tok.pad_token_id})
-        return self.tok.decode(new, skip_special_tokens=True), "length" if cut else "stop"
+        return self.tok.decode(new, skip_special_tokens=True), "length" if models.cut_off(new, end) else "stop"
 
     def chat(self, messages, max_tokens):
         return self.complete(models.render_prompt(self.tok, messages), max_tokens)[0].strip()

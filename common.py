@@ -637,6 +637,19 @@ def length_groups(lengths, overhead=64):
 LOGITS_BUDGET = 2**28  # shared_prompt_logprobs with max_tokens: logits held at once (1 GiB in fp32)
 
 
+def first_line_tokens(tok, candidate, ids):
+    """How many of a candidate's token ids (its encoding + end of turn, as encode_shared
+    and tokenize_turns give them) are its decision: all of
+    them for a one-line turn (a question decides by what it asks), else those of its first line ("I WANT TO ANSWER:",
+    a draft's opening line): the longest start of ids that the first line alone encodes to (at least 1)."""
+    first = candidate.split("\n", 1)[0]
+    if "\n" not in candidate.strip() or not first.strip():
+        return len(ids)
+    alone = tok(first, add_special_tokens=False)["input_ids"]
+    n = next((i for i, (x, y) in enumerate(zip(alone, ids)) if x != y), min(len(alone), len(ids)))
+    return max(1, n)
+
+
 def shared_prompt_logprobs(model, prompt_ids, conts, chunk=1024, max_tokens=None, bottom=None, heads=None):
     """Summed log-prob and token count of each continuation of one prompt: the prompt runs once, then
     the continuations as right-padded batches of similar length (length_groups) on its KV cache;

@@ -264,14 +264,14 @@ class Scorer:
     def advantages(self, task, prompt, candidates, decisions=False):
         """{critic name: [advantage of each candidate]}, train_critic's A(o_t, a_t, c); an ensemble's is the mean of
         its members' (also in the dict). decisions: also, second, the same form over each candidate's first line
-        alone (first_line_tokens; from the same pass), equal for candidates whose first lines are the same tokens."""
+        alone (common.first_line_tokens; from the same pass), equal for candidates whose first lines are the same tokens."""
         out, dec, ref_scores = {}, {}, {}
         for name, critic in self.critics.items():
             s = self.settings[name]
             # c reaches the critic and pi_ref, as the critic was trained with it
             prefix = training_info(task, s.get("no_training_info", False), s.get("training_info", "reference"))
             prompt_ids, cand_ids = common.encode_shared(self.tok, prefix, prompt, candidates, self.max_len)
-            heads = [first_line_tokens(self.tok, c, ids) for c, ids in zip(candidates, cand_ids)] if decisions else None
+            heads = [common.first_line_tokens(self.tok, c, ids) for c, ids in zip(candidates, cand_ids)] if decisions else None
             scores = common.shared_prompt_logprobs(critic, prompt_ids, cand_ids, max_tokens=self.max_batch_tokens,
                                                    bottom=self.bottom, heads=heads)
             if prefix not in ref_scores:  # pi_ref once per distinct input
@@ -292,18 +292,6 @@ class Scorer:
         if self.bottom is not None:
             self.bottom.kept.clear()  # this state's frozen-layer states are not needed again
         return (out, dec) if decisions else out
-
-
-def first_line_tokens(tok, candidate, ids):
-    """How many of a candidate's token ids (its encoding + end of turn, common.encode_shared) are its decision: all of
-    them for a one-line turn (a question decides by what it asks), else those of its first line ("I WANT TO ANSWER:",
-    a draft's opening line): the longest start of ids that the first line alone encodes to (at least 1)."""
-    first = candidate.split("\n", 1)[0]
-    if "\n" not in candidate.strip() or not first.strip():
-        return len(ids)
-    alone = tok(first, add_special_tokens=False)["input_ids"]
-    n = next((i for i, (x, y) in enumerate(zip(alone, ids)) if x != y), min(len(alone), len(ids)))
-    return max(1, n)
 
 
 def label(args, todo, critic_dirs, groups, critic_settings, ref_name, policy_name, rng, pairs_out, state_log):

@@ -111,6 +111,8 @@ HOUSE_STYLE=${HOUSE_STYLE:-0}         # procedural html pages: 1 states a house 
 CRITIC_CONTRAST=${CRITIC_CONTRAST:-0}  # critics: 1 adds to their pairs, per train task, a hasty oracle dialogue (answers with
                                       # unheard facts guessed) and a stalling one (never answers once told everything); ours
 GROUP_BY_TASK=${GROUP_BY_TASK:-0}     # critics: a task's pairs side by side in the batches, each trajectory scored once a step
+DECISION_TERMS=${DECISION_TERMS:-0}   # critics: 1 scores each turn's first line as a term of its own beside the rest of the turn
+                                      # (train_critic.py --decision_terms, ours), the term LABEL_CROSS_KIND decision ranks by
 CRITICS=${CRITICS:-1}                 # critics of each kind (html: 2), trained with seeds SEED, SEED+1000, ...: 2 or more are an ensemble whose
                                       # advantage is their mean (label_turns.py; docs/frontend.md, "Critics from other seeds")
 CREDIT_VARIANTS=${CREDIT_VARIANTS:-1}  # critic ablations for turn-credit accuracy: 1 without training-time information, 2 also the trajectory-mean form
@@ -131,7 +133,7 @@ PROMPT_DIR=${PROMPT_DIR:-}            # prompt templates replacing ours (e.g. a 
 
 KNOWN="SMALL TRAIN_TASKS TEST_TASKS RUN MODEL WARMUP N_WARMUP WARMUP_FAMILIES ORACLE_HASTY WARM_BAND WARMUP_TRIES HASTY_STEP ORACLE_DETOUR N_TRAIN N_TEST N_VAL VAL_SAMPLES SNAPSHOTS SAMPLES ORACLE_SAMPLES
   CANDIDATES PAIRS_PER_STATE DATA_FRACTION DPO_EPOCHS DPO_CROSS_KIND LABEL_CROSS_KIND SELECT_SIGNIFICANT TEMPERATURE TRAIN_TEMPERATURE TOP_P MAX_TURNS MAX_NEW_TOKENS LR_WARMUP LR_CRITIC LR_DPO
-  CRITIC_EPOCHS FEWER_TURNS PAIR_FACTS HOUSE_STYLE CRITIC_CONTRAST GROUP_BY_TASK CRITICS CREDIT_VARIANTS TRAIN_LAYERS BATCH_SIZE NPROC AGENT_BACKEND GRAD_CKPT TRAIN_DTYPE WARMUP_DTYPE DECODE_DTYPE SCORE_DTYPE SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL PROMPT_DIR REPORT_DIALOGUES SETUP PY"
+  CRITIC_EPOCHS FEWER_TURNS PAIR_FACTS HOUSE_STYLE CRITIC_CONTRAST GROUP_BY_TASK DECISION_TERMS CRITICS CREDIT_VARIANTS TRAIN_LAYERS BATCH_SIZE NPROC AGENT_BACKEND GRAD_CKPT TRAIN_DTYPE WARMUP_DTYPE DECODE_DTYPE SCORE_DTYPE SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL PROMPT_DIR REPORT_DIALOGUES SETUP PY"
 echo "run.sh: run directory $RUN$([ -d "$RUN" ] && echo ' (exists: finished stages are reused)')"
 for v in OUT_DIR OUTPUT_DIR RUN_DIR OUTPUT; do  # easy mistakes: run.sh reads RUN
   if [ -n "${!v-}" ]; then echo "run.sh: warning: $v is set but run.sh does not read it; the run directory is RUN=$RUN" >&2; fi
@@ -291,7 +293,7 @@ critic() {  # critic DIR [variant flags]: CRITICS critics, DIR then DIR_2, DIR_3
     have "$d" || train train_critic.py --trajectories "$RUN/train_graded.jsonl" --model "$POLICY" --output_dir "$d" \
       --lr "$LR_CRITIC" --epochs "$CRITIC_EPOCHS" --task_type "$TASK_TYPE" --seed $((SEED + 1000 * (k - 1))) --train_layers "$TRAIN_LAYERS" \
       $([ "$GROUP_BY_TASK" = 1 ] && echo --group_by_task) $([ "$FEWER_TURNS" = 1 ] && echo --fewer_turns) \
-      $([ "$PAIR_FACTS" = 1 ] && echo --pair_facts) "${contrast[@]}" "$@"
+      $([ "$PAIR_FACTS" = 1 ] && echo --pair_facts) $([ "$DECISION_TERMS" = 1 ] && echo --decision_terms) "${contrast[@]}" "$@"
     ENSEMBLE=${ENSEMBLE:+$ENSEMBLE+}$d
   done
 }
@@ -303,7 +305,7 @@ if [ "$CREDIT_VARIANTS" -ge 1 ]; then  # ablations, trained on the same pairs, s
   variants=("no_training_info=$ENSEMBLE")
 fi
 if [ "$CREDIT_VARIANTS" -ge 2 ]; then
-  critic "$RUN/critic_trajectory_mean" --normalization trajectory
+  DECISION_TERMS=0 critic "$RUN/critic_trajectory_mean" --normalization trajectory  # one mean: no terms to split
   variants=("trajectory_mean=$ENSEMBLE" "${variants[@]}")
 fi
 [ ${#variants[@]} -gt 0 ] && variants=(--credit_critics "$(IFS=,; echo "${variants[*]}")")

@@ -32,6 +32,8 @@ Deviations from the paper / released code:
    CRITIC_CONTRAST scripted ones (a hasty answer, a dialogue that never stops asking): off-policy data the
    critic learns from and labelling never samples states of.
 7. `--training_info facts` (ours, off by default): c is the human's hidden lines, then the reference solution.
+8. `--decision_terms` (ours, off by default): each turn's first line is a term of the score of its own,
+   S(tau) = sum_t [A(first line of a_t) + A(rest of a_t)] (decision_terms below).
 """
 from __future__ import annotations
 
@@ -77,6 +79,10 @@ class Args:
     """turn: sum of per-turn mean log-ratios (paper) | trajectory: one mean over all agent tokens (released code)"""
     no_training_info: bool = False
     """ablation: the critic does not see the ground truth"""
+    decision_terms: bool = False
+    """each agent turn's first line ("I WANT TO ANSWER:", a draft's opening line; a one-line turn whole) is a term of
+    the trajectory score of its own, beside the rest of the turn (ours): the term label_turns --cross_kind decision
+    ranks candidates by first"""
     training_info: str = "reference"
     """what c is: reference (the reference solution, the paper's) | facts (the human's hidden lines, then the
     reference solution; ours, for tasks with hidden_information)"""
@@ -147,6 +153,24 @@ def trajectory_score(logp_sum, ref_sum, count, beta, normalization="turn"):
     return beta * (logp_sum.sum() - ref_sum.sum()) / count.sum().clamp(min=1)
 
 
+def decision_terms(tok, turns, seqs):
+    """--decision_terms: each turn's first line (common.first_line_tokens: its decision) moves from per-turn index t
+    to n + t, so that over the [2n] per-turn sums turn_advantage gives A(first line of a_t) at n + t and A(rest of
+    a_t) at t, and trajectory_score sums both: S(tau) = sum_t [A(first line) + A(rest)]. A one-line turn is all
+    first line (its rest has no tokens and adds 0); a turn that max_len cut at its start stays whole. Returns
+    (seqs, 2n), the arguments of common.turn_logprobs."""
+    n, out = len(turns), []
+    for ids, turn_of in seqs:
+        turn_of = list(turn_of)
+        for t, (_, text) in enumerate(turns):
+            pos = [i for i, k in enumerate(turn_of) if k == t]
+            if pos and len(pos) == len(tok(text, add_special_tokens=False)["input_ids"]) + 1:  # whole: text + end of turn
+                for i in pos[:common.first_line_tokens(tok, text, [ids[i] for i in pos])]:
+                    turn_of[i] = n + t
+        out.append((ids, turn_of))
+    return out, 2 * n
+
+
 def critic_loss(score_chosen, score_rejected):
     return -F.logsigmoid(score_chosen - score_rejected)  # L_critic = -log sigmoid(S(tau+) - S(tau-))
 # ===============================================================================================
@@ -156,6 +180,8 @@ def main(args):
     common.refuse(args.normalization not in ("turn", "trajectory") and "--normalization: choose turn or trajectory",
                   args.task_type not in ("code", "html") and f"--task_type {args.task_type}: choose code or html",
                   args.training_info not in ("reference", "facts") and f"--training_info {args.training_info}: choose reference or facts",
+                  args.decision_terms and args.normalization != "turn"
+                  and "--decision_terms adds per-turn terms: use it with --normalization turn",
                   args.pair_facts and args.task_type != "html" and "--pair_facts ranks html pages: use it with --task_type html",
                   args.beta <= 0 and "--beta must be positive", args.lr <= 0 and "--lr must be positive",
                   args.epochs < 1 and "--epochs must be at least 1", args.batch_size < 1 and "--batch_size must be at least 1",
@@ -178,6 +204,9 @@ def main(args):
     for t in trajs.values():
         t["turns"] = colbench.agent_turns(t)
         t["seqs"] = common.tokenize_turns(tok, t["turns"], training_info(t["task"], args.no_training_info, args.training_info), args.max_len)
+        t["terms"] = len(t["turns"])  # per-turn sums: one per turn, or with --decision_terms two
+        if args.decision_terms:
+            t["seqs"], t["terms"] = decision_terms(tok, t["turns"], t["seqs"])
     # hold out the pairs of 10% of the tasks
     task_ids = sorted({c["task_id"] for c, _ in pairs})
     random.Random(args.seed).shuffle(task_ids)
@@ -196,10 +225,10 @@ def main(args):
               and 0 < args.train_layers < len(critic.get_decoder().layers) else None)
 
     def turn_logprobs(m, group):
-        """Per-turn (sum, count) of agent-token log-probs of trajectories of one task ([n_turns] each)."""
+        """Per-turn (sum, count) of agent-token log-probs of trajectories of one task ([terms] each)."""
         if args.shared_prefix and not args.grad_ckpt:  # c + first prompt once (common.shared_prefix_turn_logprobs)
-            return common.shared_prefix_turn_logprobs(m, [(t["seqs"], len(t["turns"])) for t in group], bottom=bottom)
-        return [common.turn_logprobs(m, t["seqs"], len(t["turns"]), bottom) for t in group]
+            return common.shared_prefix_turn_logprobs(m, [(t["seqs"], t["terms"]) for t in group], bottom=bottom)
+        return [common.turn_logprobs(m, t["seqs"], t["terms"], bottom) for t in group]
 
     # pi_ref = the starting critic weights: its per-turn log-probs once, before any update (per task)
     groups = {}

@@ -16,7 +16,7 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
            "WARMUP": "0", "N_TRAIN": "3", "N_TEST": "2", "SAMPLES": "1", "ORACLE_SAMPLES": "1", "CANDIDATES": "2",
            "PAIRS_PER_STATE": "2", "DATA_FRACTION": "1.0", "MAX_TURNS": "2", "MAX_NEW_TOKENS": "8", "BASELINES": "1",
            "LR_CRITIC": "1e-3", "LR_DPO": "1e-3", "CRITIC_EPOCHS": "1", "OMP_NUM_THREADS": "1", "CREDIT_VARIANTS": "2",
-           "N_VAL": "2", "VAL_SAMPLES": "1", "SELECT_SIGNIFICANT": "1"}
+           "N_VAL": "2", "VAL_SAMPLES": "1", "SELECT_SIGNIFICANT": "1", "DECISION_TERMS": "1"}
     p = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     table = (tmp_path / "run" / "results.txt").read_text()
@@ -62,6 +62,9 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
         assert st["told_all"] == colbench.knows_every_fact(traj["task"], credit.state_dialogue(traj, st["turn"]))
     assert report["answer_over_asking"]["sweet"] == credit.answer_over_asking(states, "sweet")
     assert json.loads((tmp_path / "run" / "critic" / "run_settings.json").read_text())["pair_facts"] is False  # code
+    for critic, terms in (("critic", True), ("critic_no_training_info", True), ("critic_trajectory_mean", False)):
+        # DECISION_TERMS=1: every per-turn critic scores each turn's first line as a term of its own; one mean has none
+        assert json.loads((tmp_path / "run" / critic / "run_settings.json").read_text())["decision_terms"] is terms, critic
     assert json.loads((tmp_path / "run" / "pairs.jsonl.run_settings.json").read_text())["cross_kind"] == "turn"  # the paper's
     # credit.py --critics: the stored candidates scored anew; the same critic gives the same accuracy
     run = tmp_path / "run"

@@ -96,6 +96,57 @@ def test_critic_score_and_loss_by_hand(tok_model):
     assert loss == pytest.approx(-math.log(1 / (1 + math.exp(-(scores["c", "turn"] - scores["r", "turn"])))), rel=1e-6)
 
 
+def test_decision_terms_by_hand(tok_model, tiny_model):
+    """--decision_terms: a trajectory scores beta * sum_t [mean log-ratio of turn t's first line + mean of its rest]
+    (per-token log-probs of one naive forward each), and the first-line term of a one-turn trajectory is what
+    labelling ranks a candidate by (label_turns --cross_kind decision: shared_prompt_logprobs' heads)."""
+    tok, ref = tok_model
+    critic = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p in critic.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    answer = "I WANT TO ANSWER:\ndef f(x):\n    return x * 2"
+    traj = make_traj(tok, TASK, ["Which factor?", answer], ["Double it."], 1.0)
+    turns, prefix = colbench.agent_turns(traj), train_critic.training_info(TASK)
+    seqs, terms = train_critic.decision_terms(tok, turns, common.tokenize_turns(tok, turns, prefix))
+    assert terms == 4 and len(seqs) == 1
+    ids, turn_of = seqs[0]
+    text = lambda k: tok.decode([i for i, b in zip(ids, turn_of) if b == k])
+    assert text(0) == "" and text(2) == "Which factor?" + tok.eos_token  # a one-line turn is all decision
+    assert text(3) == "I WANT TO ANSWER:" and text(1) == answer[len("I WANT TO ANSWER:"):] + tok.eos_token
+    assert turn_of == [-1 if k < 0 else k % 2 + 2 * (k >= 2) for k in turn_of]  # nothing else moved: c stays -1
+    plain = common.tokenize_turns(tok, turns, prefix)[0]
+    assert [k % 2 if k >= 0 else k for k in turn_of] == plain[1] and ids == plain[0]
+
+    def per_token(model):  # one forward, full log-softmax: log p of each token given all before it
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+        return [None] + [logp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    lc, lr = per_token(critic), per_token(ref)
+    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0
+    by_hand = 0.3 * sum(mean([lc[i] - lr[i] for i, b in enumerate(turn_of) if b == k]) for k in range(4))
+    with torch.no_grad():
+        (s, n), (r, _) = (common.turn_logprobs(m, seqs, terms) for m in (critic, ref))
+    assert train_critic.trajectory_score(s, r, n, 0.3).item() == pytest.approx(by_hand, abs=1e-5)
+    count = lambda x: len(tok(x, add_special_tokens=False)["input_ids"])
+    assert n.tolist() == [0, count(answer) + 1 - count("I WANT TO ANSWER:"), count("Which factor?") + 1,
+                          count("I WANT TO ANSWER:")]
+    assert abs(by_hand) > 1e-4  # a real difference, not zeros
+
+    prompt = models.render_prompt(tok, colbench.agent_messages(TASK, [{"role": "user", "content": TASK["problem_description"]}]))
+    p_ids, c_ids = common.encode_shared(tok, prefix, prompt, [answer], 4096)
+    heads = [common.first_line_tokens(tok, answer, c_ids[0])]
+    one, m = train_critic.decision_terms(tok, [(prompt, answer)], common.tokenize_turns(tok, [(prompt, answer)], prefix))
+    with torch.no_grad():
+        (cs, cn, ch), (rs, _, rh) = (common.shared_prompt_logprobs(x, p_ids, c_ids, heads=heads) for x in (critic, ref))
+        (ts, tn), (tr, _) = (common.turn_logprobs(x, one, m) for x in (critic, ref))
+    labelled = train_critic.turn_advantage(ch, rh, torch.tensor(heads, dtype=ch.dtype), 0.3)
+    assert labelled.item() == pytest.approx(train_critic.turn_advantage(ts, tr, tn, 0.3)[1].item(), abs=1e-5)
+    # a turn whose start max_len cut off stays one term (its first line is not there to split)
+    cut = common.tokenize_turns(tok, turns, prefix, max_len=len(tok(prefix, add_special_tokens=False)["input_ids"]) + 5)
+    assert train_critic.decision_terms(tok, turns, cut)[0][0][1] == cut[0][1]
+
+
 def test_only_agent_tokens_count(tok_model):
     """Changing what the user says, or c, changes the context, not which tokens are scored."""
     tok, model = tok_model
@@ -381,7 +432,7 @@ def test_first_line_tokens_and_head_logprobs(tok_model):
     prompt = models.render_prompt(tok, colbench.agent_messages(TASK, [{"role": "user", "content": TASK["problem_description"]}]))
     cands = ["What is the factor?", "I WANT TO ANSWER:\ndef f(x):\n    return x * 2", "Here is a draft.\n<p>x</p>"]
     p_ids, c_ids = common.encode_shared(tok, "", prompt, cands, 4096)
-    heads = [label_turns.first_line_tokens(tok, c, ids) for c, ids in zip(cands, c_ids)]
+    heads = [common.first_line_tokens(tok, c, ids) for c, ids in zip(cands, c_ids)]
     assert heads[0] == len(c_ids[0])  # a question decides by all it says
     for c, ids, h in zip(cands[1:], c_ids[1:], heads[1:]):
         assert tok.decode(ids[:h]) == c.split("\n")[0] and 1 <= h < len(ids)
@@ -425,6 +476,25 @@ def test_critic_learns_a_separable_toy_set(tiny_model, tmp_path):
     settings = json.loads((tmp_path / "critic" / "run_settings.json").read_text())
     assert settings["model"] == tiny_model and "git_commit" in settings
     AutoModelForCausalLM.from_pretrained(tmp_path / "critic")  # a plain HF checkpoint
+    # each turn's first line a term of its own (answers of two lines): every score 0 at step 1, another gradient
+    # than one term per turn, and it learns the toy set
+    rows = [make_traj(tok, dict(TASK, task_id=f"t{k}"), turns, replies, reward, sample) for k in range(6) for
+            turns, replies, reward, sample in ((["What is the factor?", "I WANT TO ANSWER:\nyes yes"], ["Double it."], 1.0, 0),
+                                              (["I WANT TO ANSWER:\nno no no"], [], 0.0, 1))]
+    (tmp_path / "g2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    terms_log = {}
+    for name, flags in (("turns", []), ("terms", ["--decision_terms"])):
+        run_script("train_critic.py", "--trajectories", tmp_path / "g2.jsonl", "--model", tiny_model, "--output_dir",
+                   tmp_path / f"critic_{name}", "--lr", "3e-3", "--epochs", "6", "--batch_size", "4",
+                   "--heldout_fraction", "0.2", "--train_metrics", *flags)
+        terms_log[name] = read_jsonl(tmp_path / f"critic_{name}" / "log.jsonl")
+    terms_final = json.loads((tmp_path / "critic_terms" / "final_metrics.json").read_text())
+    assert terms_log["terms"][0]["loss"] == pytest.approx(math.log(2), abs=1e-4) and terms_final["train_acc"] == 1.0
+    assert terms_log["terms"][0]["grad_norm"] != pytest.approx(terms_log["turns"][0]["grad_norm"], rel=1e-3)
+    assert json.loads((tmp_path / "critic_terms" / "run_settings.json").read_text())["decision_terms"] is True
+    with pytest.raises(SystemExit, match="decision_terms"):
+        train_critic.main(train_critic.Args(str(tmp_path / "g.jsonl"), str(tmp_path / "x"), model=tiny_model,
+                                            decision_terms=True, normalization="trajectory"))
     # activation checkpointing gives the same first step
     run_script("train_critic.py", "--trajectories", tmp_path / "g.jsonl", "--model", tiny_model, "--output_dir",
                tmp_path / "critic_ckpt", "--lr", "3e-3", "--epochs", "1", "--batch_size", "4", "--heldout_fraction", "0.2",

@@ -45,6 +45,10 @@ if [ "${TASK_TYPE:-code}" = html ] && [ "${SMALL:-0}" != 1 ] && [ -z "${TRAIN_TA
   # 0.737, 0.730, 0.717 turn-credit against the run's one critic's 0.703, 0.727, 0.478, and gave more right DPO
   # pairs (144, 188, 150 against 133, 184, 79); ~12 min more (docs/frontend.md, "Two critics of each kind become")
   : "${CRITICS:=2}"
+  # DECISION_TERMS 1: the critics train each turn's first line, the decision LABEL_CROSS_KIND ranks by, as a term of
+  # its own; on the same stored candidates the SWEET pair's mean turn-credit went 0.623 -> 0.727 (SEED=17) and
+  # 0.667 -> 0.827 (SEED=18, whose whole run met both policy targets) (docs/frontend.md, "The first line as its own term")
+  : "${DECISION_TERMS:=1}"
   : "${REPORT_DIALOGUES:=20}"  # the viewer over html dialogues took 3.8 min at 40 per method
   # TRAIN_DTYPE bfloat16 where the CPU has bf16 instructions: the critics and DPO under bf16 autocast (fp32
   # weights), the warm-up SFT still fp32 (WARMUP_DTYPE auto), as a bf16 warm-up is another starting policy
@@ -112,7 +116,7 @@ CRITIC_CONTRAST=${CRITIC_CONTRAST:-0}  # critics: 1 adds to their pairs, per tra
                                       # unheard facts guessed) and a stalling one (never answers once told everything); ours
 GROUP_BY_TASK=${GROUP_BY_TASK:-0}     # critics: a task's pairs side by side in the batches, each trajectory scored once a step
 DECISION_TERMS=${DECISION_TERMS:-0}   # critics: 1 scores each turn's first line as a term of its own beside the rest of the turn
-                                      # (train_critic.py --decision_terms, ours), the term LABEL_CROSS_KIND decision ranks by
+                                      # (train_critic.py --decision_terms, ours; html: 1), the term LABEL_CROSS_KIND decision ranks by
 CRITICS=${CRITICS:-1}                 # critics of each kind (html: 2), trained with seeds SEED, SEED+1000, ...: 2 or more are an ensemble whose
                                       # advantage is their mean (label_turns.py; docs/frontend.md, "Critics from other seeds")
 CREDIT_VARIANTS=${CREDIT_VARIANTS:-1}  # critic ablations for turn-credit accuracy: 1 without training-time information, 2 also the trajectory-mean form

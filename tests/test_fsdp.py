@@ -47,11 +47,13 @@ def kill_tree(pid):
     ("train_critic.py", ["--epochs", "2", "--heldout_fraction", "0", "--train_layers", "1"]),
     # a micro-batch per task (--group_by_task): each rank takes a contiguous share of the batch
     ("train_critic.py", ["--epochs", "2", "--heldout_fraction", "0", "--group_by_task"]),
+    # each turn's first line a term of its own (--decision_terms; answers of two lines)
+    ("train_critic.py", ["--epochs", "2", "--heldout_fraction", "0", "--group_by_task", "--decision_terms"]),
     ("train_dpo.py", ["--mode", "trajectory", "--epochs", "2"]),
 ])
 def test_two_processes_match_one(tiny_model, tmp_path, script, extra):
     tok = models.load_tokenizer(tiny_model)
-    write_graded(tok, tmp_path / "g.jsonl", n_tasks=4)
+    write_graded(tok, tmp_path / "g.jsonl", n_tasks=4, sep="\n" if "--decision_terms" in extra else " ")
     runs = {}
     for n in (1, 2):
         out = tmp_path / f"out{n}"

@@ -95,7 +95,8 @@ def test_run_sh_html_loop(tiny_model, tmp_path):
     bf16 where the CPU has bf16 instructions); an empty WARM_BAND skips the warm-up's calibration. CRITICS=2: two
     critics of each kind (seeds SEED and SEED+1000: 0 and 1000), the candidates ranked by their mean advantage.
     html's default PAIR_FACTS=1: the critics' pairs ranked by the design facts evaluate.py counts, then similarity;
-    its LABEL_CROSS_KIND=decision: labelling ranks a candidate's first line before the whole turn. CRITIC_CONTRAST=1:
+    its LABEL_CROSS_KIND=decision: labelling ranks a candidate's first line before the whole turn, and its
+    DECISION_TERMS=1: the critics train that first line as a term of its own. CRITIC_CONTRAST=1:
     a hasty and a stalling oracle dialogue per train page join the critics' pairs, never the labelled states."""
     env = {**os.environ, "SETUP": "0", "PY": sys.executable, "RUN": str(tmp_path / "run"), "MODEL": tiny_model,
            "TASK_TYPE": "html", "WARMUP": "1", "N_WARMUP": "2", "WARM_BAND": "", "N_TRAIN": "2", "N_TEST": "2",
@@ -121,6 +122,7 @@ def test_run_sh_html_loop(tiny_model, tmp_path):
         settings = json.loads((tmp_path / "run" / critic / "run_settings.json").read_text())
         assert settings["group_by_task"] is True and settings["seed"] == seed  # html's critics score a trajectory once a step
         assert settings["pair_facts"] is True  # html's default: pairs by design facts right, then similarity
+        assert settings["decision_terms"] is True  # html's default: each turn's first line a term of its own
         assert settings["extra_trajectories"] == str(tmp_path / "run" / "critic_contrast_graded.jsonl")
     contrast = read(tmp_path / "run" / "critic_contrast_graded.jsonl")  # after the policy's sample 0 and the oracle's 1
     assert sorted((r["task_id"], r["sample"]) for r in contrast) == sorted((t, s) for t in {r["task_id"] for r in contrast} for s in (2, 3))

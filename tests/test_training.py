@@ -452,12 +452,13 @@ def test_dpo_loss_and_metrics_match_reference():
     assert r_c.tolist() == pytest.approx([0.05, 0.0]) and r_r.tolist() == pytest.approx([-0.1, 0.05])
 
 
-def write_graded(tok, path, n_tasks=6):
+def write_graded(tok, path, n_tasks=6, sep=" "):
+    """Per task a question then an answer (reward 1) against another answer (reward 0); sep "\n": answers of two lines."""
     rows = []
     for k in range(n_tasks):
         task = dict(TASK, task_id=f"t{k}")
-        rows.append(make_traj(tok, task, ["What is the factor?", "I WANT TO ANSWER: yes yes"], ["Double it."], 1.0, 0))
-        rows.append(make_traj(tok, task, ["I WANT TO ANSWER: no no no"], [], 0.0, 1))
+        rows.append(make_traj(tok, task, ["What is the factor?", f"I WANT TO ANSWER:{sep}yes yes"], ["Double it."], 1.0, 0))
+        rows.append(make_traj(tok, task, [f"I WANT TO ANSWER:{sep}no no no"], [], 0.0, 1))
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return rows
 
@@ -478,10 +479,7 @@ def test_critic_learns_a_separable_toy_set(tiny_model, tmp_path):
     AutoModelForCausalLM.from_pretrained(tmp_path / "critic")  # a plain HF checkpoint
     # each turn's first line a term of its own (answers of two lines): every score 0 at step 1, another gradient
     # than one term per turn, and it learns the toy set
-    rows = [make_traj(tok, dict(TASK, task_id=f"t{k}"), turns, replies, reward, sample) for k in range(6) for
-            turns, replies, reward, sample in ((["What is the factor?", "I WANT TO ANSWER:\nyes yes"], ["Double it."], 1.0, 0),
-                                              (["I WANT TO ANSWER:\nno no no"], [], 0.0, 1))]
-    (tmp_path / "g2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_graded(tok, tmp_path / "g2.jsonl", sep="\n")
     terms_log = {}
     for name, flags in (("turns", []), ("terms", ["--decision_terms"])):
         run_script("train_critic.py", "--trajectories", tmp_path / "g2.jsonl", "--model", tiny_model, "--output_dir",

@@ -638,10 +638,10 @@ LOGITS_BUDGET = 2**28  # shared_prompt_logprobs with max_tokens: logits held at 
 
 
 def first_line_tokens(tok, candidate, ids):
-    """How many of a candidate's token ids (its encoding + end of turn, as encode_shared
-    and tokenize_turns give them) are its decision: all of
-    them for a one-line turn (a question decides by what it asks), else those of its first line ("I WANT TO ANSWER:",
-    a draft's opening line): the longest start of ids that the first line alone encodes to (at least 1)."""
+    """How many of a candidate's token ids (its encoding + end of turn, as encode_shared and tokenize_turns give them)
+    are its decision: all of them for a one-line turn (a question decides by what it asks), else those of its first
+    line ("I WANT TO ANSWER:", a draft's opening line): the longest start of ids that the first line alone encodes to
+    (at least 1). label_turns ranks by it (--cross_kind decision), train_critic trains it (--decision_terms)."""
     first = candidate.split("\n", 1)[0]
     if "\n" not in candidate.strip() or not first.strip():
         return len(ids)

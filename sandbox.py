@@ -412,11 +412,16 @@ def _run_sandboxed(code, calls, timeout, released, mem_mb, uid, trusted):
                 pass
             proc.wait()
         if cgroup:
-            for pid in (cgroup / "cgroup.procs").read_text().split():  # anything that left the group
-                try:
-                    os.kill(int(pid), 9)
-                except (ProcessLookupError, ValueError):
-                    pass
+            for _ in range(100):  # anything that left the process group; again until none is left, as a fork
+                pids = (cgroup / "cgroup.procs").read_text().split()  # bomb can fork between the read and the kill
+                if not pids:
+                    break
+                for pid in pids:
+                    try:
+                        os.kill(int(pid), 9)
+                    except (ProcessLookupError, ValueError):
+                        pass
+                time.sleep(0.01)
             _remove_cgroup(cgroup)
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)

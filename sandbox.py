@@ -350,12 +350,25 @@ def _new_pids_cgroup():
 
 
 def _remove_cgroup(d):
-    for _ in range(50):  # the killed processes may take a moment to leave
+    """Kill what is left in pids cgroup d, again until none is left (a fork bomb can fork between the read and the
+    kill), then remove it (killed processes may take a moment to leave)."""
+    for _ in range(100):
         try:
-            d.rmdir()
-            return
+            pids = (d / "cgroup.procs").read_text().split()
         except OSError:
-            time.sleep(0.02)
+            return  # already gone
+        for pid in pids:
+            try:
+                os.kill(int(pid), 9)
+            except (ProcessLookupError, ValueError):
+                pass
+        if not pids:
+            try:
+                d.rmdir()
+                return
+            except OSError:
+                pass
+        time.sleep(0.02)
 
 
 def run_calls(code, calls, timeout=10.0, released=False, mem_mb=1024, trusted=False):
@@ -412,17 +425,7 @@ def _run_sandboxed(code, calls, timeout, released, mem_mb, uid, trusted):
                 pass
             proc.wait()
         if cgroup:
-            for _ in range(100):  # anything that left the process group; again until none is left, as a fork
-                pids = (cgroup / "cgroup.procs").read_text().split()  # bomb can fork between the read and the kill
-                if not pids:
-                    break
-                for pid in pids:
-                    try:
-                        os.kill(int(pid), 9)
-                    except (ProcessLookupError, ValueError):
-                        pass
-                time.sleep(0.01)
-            _remove_cgroup(cgroup)
+            _remove_cgroup(cgroup)  # and anything that left the process group
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
 

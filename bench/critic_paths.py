@@ -22,6 +22,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from conftest import build_tiny_model  # noqa: E402
 from test_training import write_graded  # noqa: E402
 import models  # noqa: E402
+import torch  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--out", required=True, help="folder for the model, the data and each run's output")
@@ -64,6 +65,5 @@ for name in ("whole", "fsdp"):
         gap = max(abs(x[k] - y[k]) for x, y in zip(one, other) for k in ("loss", "grad_norm"))
         check(f"{name} float32 takes one's steps", len(one) == len(other) and gap < 1e-3,
               f"{len(other)} steps, largest loss / grad_norm gap {gap:.2e}")
-import torch  # noqa: E402
 print(f"device: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}; flags: {a.flags}")
 sys.exit(1 if failed else 0)

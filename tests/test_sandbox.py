@@ -104,15 +104,18 @@ def host(tmp_path_factory):
 
 
 def sandbox_processes():
-    """Live processes under this grader's sandbox uids (only where the sandbox drops to them)."""
+    """Live processes under this grader's sandbox uids (only where the sandbox drops to them). A zombie
+    (state Z: exited, its entry not yet collected by the parent it was handed to) runs nothing and is not counted."""
     lo = sandbox._uids.base
     found = []
     for p in os.listdir("/proc"):
         try:
-            uid = int(open(f"/proc/{p}/status").read().split("Uid:")[1].split()[0])
+            status = open(f"/proc/{p}/status").read()
+            uid = int(status.split("Uid:")[1].split()[0])
+            state = status.split("State:")[1].split()[0]
         except (OSError, IndexError, ValueError):
             continue
-        if lo <= uid < lo + 64:
+        if lo <= uid < lo + 64 and state != "Z":
             found.append(p)
     return found
 

@@ -637,17 +637,18 @@ def length_groups(lengths, overhead=64):
 LOGITS_BUDGET = 2**28  # shared_prompt_logprobs with max_tokens: logits held at once (1 GiB in fp32)
 
 
-def first_line_tokens(tok, candidate, ids):
-    """How many of a candidate's token ids (its encoding + end of turn, as encode_shared and tokenize_turns give them)
-    are its decision: all of them for a one-line turn (a question decides by what it asks), else those of its first
-    line ("I WANT TO ANSWER:", a draft's opening line): the longest start of ids that the first line alone encodes to
-    (at least 1). label_turns ranks by it (--cross_kind decision), train_critic trains it (--decision_terms)."""
-    first = candidate.split("\n", 1)[0]
-    if "\n" not in candidate.strip() or not first.strip():
-        return len(ids)
-    alone = tok(first, add_special_tokens=False)["input_ids"]
-    n = next((i for i, (x, y) in enumerate(zip(alone, ids)) if x != y), min(len(alone), len(ids)))
-    return max(1, n)
+def first_line_tokens(tok, turn, n):
+    """How many of a turn's n token ids (its text's, then end of turn, as encode_shared and tokenize_turns give them)
+    are its decision: all n for a one-line turn (a question decides by what it asks, and its end of turn says that
+    it stops there), else those that start before its first newline ("I WANT TO ANSWER:", a draft's opening line;
+    with the newline the critics learned to rank every answer below asking, docs/frontend.md), at least 1.
+    label_turns ranks by it (--cross_kind decision), train_critic trains it (--decision_terms), train_dpo trains a
+    pair of turns of different kinds on it (--cross_kind decision)."""
+    if "\n" not in turn.strip() or not turn.split("\n", 1)[0].strip():
+        return n
+    end = turn.index("\n")
+    offsets = tok(turn, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    return max(1, min(n, sum(1 for a, _ in offsets if a < end)))
 
 
 def shared_prompt_logprobs(model, prompt_ids, conts, chunk=1024, max_tokens=None, bottom=None, heads=None):

@@ -271,7 +271,7 @@ class Scorer:
             # c reaches the critic and pi_ref, as the critic was trained with it
             prefix = training_info(task, s.get("no_training_info", False), s.get("training_info", "reference"))
             prompt_ids, cand_ids = common.encode_shared(self.tok, prefix, prompt, candidates, self.max_len)
-            heads = [common.first_line_tokens(self.tok, c, ids) for c, ids in zip(candidates, cand_ids)] if decisions else None
+            heads = [common.first_line_tokens(self.tok, c, len(ids)) for c, ids in zip(candidates, cand_ids)] if decisions else None
             scores = common.shared_prompt_logprobs(critic, prompt_ids, cand_ids, max_tokens=self.max_batch_tokens,
                                                    bottom=self.bottom, heads=heads)
             if prefix not in ref_scores:  # pi_ref once per distinct input

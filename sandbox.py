@@ -338,6 +338,7 @@ def _new_pids_cgroup():
     try:
         base = root / f"sweetrl-{os.getpid()}"
         if not base.exists():
+            _remove_stale_cgroups(root)
             base.mkdir()
             import atexit
             atexit.register(lambda: [_remove_cgroup(p) for p in [*base.iterdir(), base] if p.is_dir()])
@@ -347,6 +348,26 @@ def _new_pids_cgroup():
         return d
     except OSError:
         return None
+
+
+def _remove_stale_cgroups(root):
+    """Remove the empty pids cgroups of stages that died without cleaning up (a SIGKILL skips atexit): a
+    sweetrl-PID folder whose PID is gone. Only empty ones: rmdir refuses a group that still holds a process, and
+    nothing here kills (the PID may be another PID namespace's)."""
+    for base in root.glob("sweetrl-*"):
+        try:
+            os.kill(int(base.name.split("-", 1)[1]), 0)
+            continue  # its stage is alive
+        except ProcessLookupError:
+            pass
+        except (ValueError, PermissionError):
+            continue  # not ours to judge
+        try:
+            for d in [*base.iterdir(), base]:
+                if d.is_dir():
+                    d.rmdir()
+        except OSError:
+            pass  # not empty, or another stage removed it first
 
 
 def _remove_cgroup(d):

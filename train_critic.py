@@ -165,7 +165,7 @@ def decision_terms(tok, turns, seqs):
         for t, (_, text) in enumerate(turns):
             pos = [i for i, k in enumerate(turn_of) if k == t]
             if pos and len(pos) == len(tok(text, add_special_tokens=False)["input_ids"]) + 1:  # whole: text + end of turn
-                for i in pos[:common.first_line_tokens(tok, text, [ids[i] for i in pos])]:
+                for i in pos[:common.first_line_tokens(tok, text, len(pos))]:
                     turn_of[i] = n + t
         out.append((ids, turn_of))
     return out, 2 * n

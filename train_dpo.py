@@ -138,17 +138,6 @@ def reference_logps_of_state(model, group):
     return [[logp[tuple(t)] for t in ex["shared"][1]] for ex in group]
 
 
-def first_line_tokens(tok, turn, n):
-    """How many of a turn's n tokens (its text's, then end-of-turn) a decision-only pair scores: those that
-    start in its first line, its newline included; all n for a one-line turn (its end-of-turn says that it
-    stops there)."""
-    if "\n" not in turn.strip("\n"):
-        return n
-    end = turn.index("\n", len(turn) - len(turn.lstrip("\n"))) + 1
-    offsets = tok(turn, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-    return sum(1 for a, _ in offsets if a < end)
-
-
 def build_examples(args):
     """Each example: {'chosen': turns, 'rejected': turns} (DPO) or {'chosen': turns} (sft)."""
     if args.mode == "turn":
@@ -208,7 +197,7 @@ def main(args):
         if shared:  # (prompt ids, [chosen ids, rejected ids]): the prompt runs once per pair
             ex["shared"] = common.encode_shared(tok, "", ex["prompt"], [ex["chosen"][0][1], ex["rejected"][0][1]], args.max_len)
             if ex.get("decision_only"):  # a causal model's first k log-probs do not depend on what follows
-                ex["shared"][1][:] = [ids[:first_line_tokens(tok, ex[side][0][1], len(ids))]
+                ex["shared"][1][:] = [ids[:common.first_line_tokens(tok, ex[side][0][1], len(ids))]
                                       for ids, side in zip(ex["shared"][1], ("chosen", "rejected"))]
             continue
         for side in ("chosen", "rejected"):
@@ -217,7 +206,7 @@ def main(args):
                 if ex.get("decision_only"):  # cut after the turn's first line, as the one-pass path does
                     ids, turn_of = ex[side + "_seqs"][-1]
                     start = turn_of.index(0)
-                    k = first_line_tokens(tok, ex[side][0][1], len(ids) - start)
+                    k = common.first_line_tokens(tok, ex[side][0][1], len(ids) - start)
                     del ids[start + k:], turn_of[start + k:]
     model = common.shard_model(models.load_model(args.model, device, args.grad_ckpt, torch.float32, args.train_layers),
                                world, device, models.compute_dtype(args.dtype, device))

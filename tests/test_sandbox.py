@@ -157,3 +157,43 @@ def test_infrastructure_error_never_aborts(monkeypatch):
     r = sandbox.grade_code(DOUBLE, OK, timeout=TIMEOUT, gt_results={t: ("ok", v) for t, v in
                                                                   zip(DOUBLE["test_cases"], (2, 4, 6))})
     assert set(r["verdicts"].values()) == {"infrastructure"} and r["reward"] == 0
+
+
+PIDS = "/sys/fs/cgroup/pids"
+
+
+@pytest.mark.skipif(not (os.access(PIDS, os.W_OK) and os.path.exists(f"{PIDS}/cgroup.procs")),
+                    reason="needs root and cgroup v1 pids (the sandbox's fork cap)")
+def test_killed_stage_cgroups_are_removed(tmp_path):
+    """A stage killed with SIGKILL skips its cleanup and leaves sweetrl-PID pids cgroups behind; the next stage's
+    first sandbox removes those of dead PIDs that are empty, and leaves a group that still holds a process."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    empty, held = (f"{PIDS}/sweetrl-{pid}" for pid in (dead.pid, dead.pid + 10**7))  # the second PID cannot exist
+    sleeper = None
+    try:
+        for base in (empty, held):
+            os.makedirs(f"{base}/0")
+        sleeper = subprocess.Popen(["sleep", "60"])
+        with open(f"{held}/0/cgroup.procs", "w") as f:
+            f.write(str(sleeper.pid))
+        code = "import sandbox; print(sandbox.run_calls('def f():\\n    return 1', [('t', 'f()')])['t'][0])"
+        out = subprocess.run([os.sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                             cwd=os.path.dirname(sandbox.__file__))
+        assert out.stdout.strip() == "ok", out.stderr
+        assert not os.path.exists(empty)  # removed, the child group first
+        assert os.path.isdir(f"{held}/0") and sleeper.poll() is None  # not empty: kept, and nothing killed
+    finally:
+        if sleeper is not None:
+            sleeper.kill()
+            sleeper.wait()
+        for base in (empty, held):
+            for d in (f"{base}/0", base):
+                for _ in range(50):
+                    try:
+                        os.rmdir(d)
+                        break
+                    except FileNotFoundError:
+                        break
+                    except OSError:
+                        time.sleep(0.02)

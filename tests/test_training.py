@@ -135,7 +135,7 @@ def test_decision_terms_by_hand(tok_model, tiny_model):
 
     prompt = models.render_prompt(tok, colbench.agent_messages(TASK, [{"role": "user", "content": TASK["problem_description"]}]))
     p_ids, c_ids = common.encode_shared(tok, prefix, prompt, [answer], 4096)
-    heads = [common.first_line_tokens(tok, answer, c_ids[0])]
+    heads = [common.first_line_tokens(tok, answer, len(c_ids[0]))]
     one, m = train_critic.decision_terms(tok, [(prompt, answer)], common.tokenize_turns(tok, [(prompt, answer)], prefix))
     with torch.no_grad():
         (_, _, ch), (_, _, rh) = (common.shared_prompt_logprobs(x, p_ids, c_ids, heads=heads) for x in (critic, ref))
@@ -432,10 +432,12 @@ def test_first_line_tokens_and_head_logprobs(tok_model):
     prompt = models.render_prompt(tok, colbench.agent_messages(TASK, [{"role": "user", "content": TASK["problem_description"]}]))
     cands = ["What is the factor?", "I WANT TO ANSWER:\ndef f(x):\n    return x * 2", "Here is a draft.\n<p>x</p>"]
     p_ids, c_ids = common.encode_shared(tok, "", prompt, cands, 4096)
-    heads = [common.first_line_tokens(tok, c, ids) for c, ids in zip(cands, c_ids)]
+    heads = [common.first_line_tokens(tok, c, len(ids)) for c, ids in zip(cands, c_ids)]
     assert heads[0] == len(c_ids[0])  # a question decides by all it says
     for c, ids, h in zip(cands[1:], c_ids[1:], heads[1:]):
-        assert tok.decode(ids[:h]) == c.split("\n")[0] and 1 <= h < len(ids)
+        assert tok.decode(ids[:h]) == c.split("\n")[0] and 1 <= h < len(ids)  # not its newline
+    assert common.first_line_tokens(tok, "\nHere is a draft.\n<p>x</p>", 9) == 9  # an empty first line: all of it
+    assert common.first_line_tokens(tok, cands[1], 3) == 3  # a turn max_len cut short: no more than it has
     with torch.no_grad():
         sums, counts, head_sums = common.shared_prompt_logprobs(model, p_ids, c_ids, heads=heads)
         alone, _ = common.shared_prompt_logprobs(model, p_ids, [ids[:h] for ids, h in zip(c_ids, heads)])
@@ -663,9 +665,9 @@ def test_dpo_pairs_of_different_kinds_decision_only(tok_model, tiny_model, tmp_p
     assert [colbench.turn_kind(t) for t in (rows[0]["chosen"], rows[0]["rejected"], rows[2]["chosen"])] == \
         ["question", "answer", "draft"]
     n = len(tok(page("white"), add_special_tokens=False)["input_ids"]) + 1  # + end-of-turn
-    first = len(tok("I WANT TO ANSWER:\n", add_special_tokens=False)["input_ids"])
-    assert train_dpo.first_line_tokens(tok, page("white"), n) == first < n
-    assert train_dpo.first_line_tokens(tok, "Which font?", 4) == 4  # one line: all of it, its end-of-turn too
+    first = len(tok("I WANT TO ANSWER:", add_special_tokens=False)["input_ids"])  # not its newline
+    assert common.first_line_tokens(tok, page("white"), n) == first < n
+    assert common.first_line_tokens(tok, "Which font?", 4) == 4  # one line: all of it, its end-of-turn too
 
     def train(name, pairs, *extra):
         run_script("train_dpo.py", "--pairs", tmp_path / pairs, "--model", tiny_model, "--output_dir", tmp_path / name,

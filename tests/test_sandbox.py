@@ -4,6 +4,7 @@ they were and leave no process behind; a correct answer wrapped in hostile side 
 import os
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -178,7 +179,7 @@ def test_killed_stage_cgroups_are_removed(tmp_path):
         with open(f"{held}/0/cgroup.procs", "w") as f:
             f.write(str(sleeper.pid))
         code = "import sandbox; print(sandbox.run_calls('def f():\\n    return 1', [('t', 'f()')])['t'][0])"
-        out = subprocess.run([os.sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                              cwd=os.path.dirname(sandbox.__file__))
         assert out.stdout.strip() == "ok", out.stderr
         assert not os.path.exists(empty)  # removed, the child group first

@@ -107,7 +107,9 @@ class Args:
     a bf16 KV cache; ~0.7x a decoding step where the CPU has AVX512-BF16, models.bf16_matmuls, and ~0.8x again on
     long dialogues, models.bf16_kv_attention) | float32"""
     reuse_cache: bool = True
-    """hf backend: keep each dialogue's KV cache from turn to turn, so a turn runs only its new tokens"""
+    """hf backend: keep each dialogue's KV cache from turn to turn, so a turn runs only its new tokens; then all
+    --batch_size dialogues decode as one batch (without it: in sub-batches of bounded size), and their caches
+    stay in memory: lower --batch_size, or --no_reuse_cache, where memory is short"""
     prompt_dir: str = ""
     """a folder of prompt templates replacing ours, in the released message format (agent_TYPE.txt and
     human_TYPE.txt, or a released checkout's prompts/); start the scripted simulator with the same one"""

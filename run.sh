@@ -70,6 +70,8 @@ if [ -n "$TRAIN_TASKS$TEST_TASKS" ]; then  # ColBench data: the released setting
 fi
 RUN=${RUN:-runs/$([ "${SMALL:-0}" = 1 ] && echo small || echo default)}
 MODEL=${MODEL:-embedded}              # starting policy (HF path or id)
+FREE_GB=${FREE_GB:-$([ "$MODEL" != embedded ] && echo 0 || { [ "${SMALL:-0}" = 1 ] && echo 2 || echo 6; })}  # warn below this much free disk
+                                      # (a whole embedded run writes 3.6 GB, code or html: checkpoints; 0: no check)
 WARMUP=${WARMUP:-$([ "$MODEL" = embedded ] && echo 1 || echo 0)}  # oracle-dialogue SFT before RL (docs/curriculum.md)
 N_WARMUP=${N_WARMUP:-120}             # warm-up tasks (oracle dialogues)
 WARMUP_FAMILIES=${WARMUP_FAMILIES:-}  # code families of the warm-up tasks (empty: all, like train and test)
@@ -137,7 +139,7 @@ PROMPT_DIR=${PROMPT_DIR:-}            # prompt templates replacing ours (e.g. a 
 
 KNOWN="SMALL TRAIN_TASKS TEST_TASKS RUN MODEL WARMUP N_WARMUP WARMUP_FAMILIES ORACLE_HASTY WARM_BAND WARMUP_TRIES HASTY_STEP ORACLE_DETOUR N_TRAIN N_TEST N_VAL VAL_SAMPLES SNAPSHOTS SAMPLES ORACLE_SAMPLES
   CANDIDATES PAIRS_PER_STATE DATA_FRACTION DPO_EPOCHS DPO_CROSS_KIND LABEL_CROSS_KIND SELECT_SIGNIFICANT TEMPERATURE TRAIN_TEMPERATURE TOP_P MAX_TURNS MAX_NEW_TOKENS LR_WARMUP LR_CRITIC LR_DPO
-  CRITIC_EPOCHS FEWER_TURNS PAIR_FACTS HOUSE_STYLE CRITIC_CONTRAST GROUP_BY_TASK DECISION_TERMS CRITICS CREDIT_VARIANTS TRAIN_LAYERS BATCH_SIZE NPROC AGENT_BACKEND GRAD_CKPT TRAIN_DTYPE WARMUP_DTYPE DECODE_DTYPE SCORE_DTYPE SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL PROMPT_DIR REPORT_DIALOGUES SETUP PY"
+  CRITIC_EPOCHS FEWER_TURNS PAIR_FACTS HOUSE_STYLE CRITIC_CONTRAST GROUP_BY_TASK DECISION_TERMS CRITICS CREDIT_VARIANTS TRAIN_LAYERS BATCH_SIZE NPROC AGENT_BACKEND GRAD_CKPT TRAIN_DTYPE WARMUP_DTYPE DECODE_DTYPE SCORE_DTYPE SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL PROMPT_DIR REPORT_DIALOGUES SETUP FREE_GB PY"
 echo "run.sh: run directory $RUN$([ -d "$RUN" ] && echo ' (exists: finished stages are reused)')"
 for v in OUT_DIR OUTPUT_DIR RUN_DIR OUTPUT; do  # easy mistakes: run.sh reads RUN
   if [ -n "${!v-}" ]; then echo "run.sh: warning: $v is set but run.sh does not read it; the run directory is RUN=$RUN" >&2; fi
@@ -149,6 +151,10 @@ PY=${PY:-.venv/bin/python}
   && echo vllm || echo hf)
 echo "  AGENT_BACKEND=$AGENT_BACKEND (in use)"
 mkdir -p "$RUN"
+free_kb=$(df -Pk "$RUN" | awk 'NR == 2 {print $4}')  # a stage that fills the disk stops (a rerun resumes); say so before it
+if [ -n "$free_kb" ] && [ "$free_kb" -lt $((FREE_GB * 1048576)) ]; then
+  echo "run.sh: warning: $((free_kb / 1048576)) GB free on the disk of $RUN, and a run writes up to $FREE_GB GB (FREE_GB); free some space or set RUN=dir on another disk" >&2
+fi
 log() { printf '\n== %s\n' "$*"; }
 train() {  # a training stage; it continues from OUTPUT_DIR/resume when a killed run left one there
   local a=("$@") i

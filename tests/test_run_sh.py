@@ -83,9 +83,12 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
     assert "run directory" in p.stdout and "N_TEST=2" in p.stdout  # the settings in use are printed
     train = json.loads((tmp_path / "run" / "train_summary.json").read_text())
     assert train["num_trajectories"] == 6 and train["success_rate"] >= 0.5  # the oracle's half succeeds
-    # a rerun finds everything done and redoes nothing
-    p2 = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    # a rerun finds everything done and redoes nothing; asked for more free disk than there is, it warns first
+    assert "GB free on the disk of" not in p.stderr  # a model other than the embedded one: no disk check by default
+    p2 = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env={**env, "FREE_GB": "100000000"}, capture_output=True,
+                        text=True, timeout=900)
     assert p2.returncode == 0 and "0 to run" in p2.stderr
+    assert f"GB free on the disk of {tmp_path / 'run'}, and a run writes up to 100000000 GB" in p2.stderr
 
 
 def test_run_sh_html_loop(tiny_model, tmp_path):

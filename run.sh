@@ -153,7 +153,7 @@ echo "  AGENT_BACKEND=$AGENT_BACKEND (in use)"
 mkdir -p "$RUN"
 free_kb=$(df -Pk "$RUN" | awk 'NR == 2 {print $4}')  # a stage that fills the disk stops (a rerun resumes); say so before it
 if [ -n "$free_kb" ] && [ "$free_kb" -lt $((FREE_GB * 1048576)) ]; then
-  echo "run.sh: warning: $((free_kb / 1048576)) GB free on the disk of $RUN, and a run writes up to $FREE_GB GB (FREE_GB); free some space or set RUN=dir on another disk" >&2
+  echo "run.sh: warning: $((free_kb / 1048576)) GB free on the disk of $RUN, under FREE_GB=$FREE_GB; free some space or set RUN=dir on another disk" >&2
 fi
 log() { printf '\n== %s\n' "$*"; }
 train() {  # a training stage; it continues from OUTPUT_DIR/resume when a killed run left one there

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import models
-from conftest import ROOT, read_jsonl
+from conftest import ROOT, read_jsonl, saved_step
 from test_training import write_graded
 
 
@@ -126,8 +126,8 @@ def test_two_processes_killed_and_resumed_match_one_uninterrupted(tiny_model, tm
            str(ROOT / "train_dpo.py"), *map(str, args(tmp_path / "two"))]
     p = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    meta, t0 = tmp_path / "two" / "resume" / "meta.json", time.time()
-    while not (meta.exists() and json.loads(meta.read_text())["step"] >= 2):
+    t0 = time.time()
+    while saved_step(tmp_path / "two" / "resume") < 2:
         assert p.poll() is None and time.time() - t0 < 300
         time.sleep(0.01)
     kill_tree(p.pid)  # torchrun and its workers (they may sit in sessions of their own)

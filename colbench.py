@@ -444,7 +444,18 @@ def num_agent_turns(r):
     return r.get("num_turns", sum(m["role"] == "assistant" for m in r["dialogue_history"]))
 
 
-def trajectory_pairs(rows, task_type="code", min_gap=0.1, fewer_turns=False, by_facts=False):
+def shortcut(r, k):
+    """A copy of answered trajectory r that gives its final answer at agent turn k (1-based) instead: the
+    first k-1 agent turns and the human's replies to them, then the last turn's text on turn k's prompt (the
+    prompt of turn k is the same in both). The benchmark grades only the final answer, so the copy's grade is
+    r's, exactly."""
+    d = r["dialogue_history"]
+    agent = [j for j, m in enumerate(d) if m["role"] == "assistant" and "input" in m]
+    last = dict(d[agent[-1]], input=d[agent[k - 1]]["input"])
+    return {**r, "dialogue_history": d[:agent[k - 1]] + [last], "num_turns": k, "shortcut_of": num_agent_turns(r)}
+
+
+def trajectory_pairs(rows, task_type="code", min_gap=0.1, fewer_turns=False, by_facts=False, shortcuts=0):
     """(chosen, rejected) trajectory pairs from graded rollouts, as released. Backend: per task the
     best sample must succeed; every lower-reward sample of that task is a rejected partner.
     Frontend: every two samples whose rewards (similarities) differ by at least min_gap; and on
@@ -456,7 +467,12 @@ def trajectory_pairs(rows, task_type="code", min_gap=0.1, fewer_turns=False, by_
     by_facts (ours, html on procedural pages): rank by design facts right (evaluate.py's facts_right) before
     similarity: a sample with more facts right is chosen over one with fewer whatever their similarities,
     and two with as many facts right pair by the similarity gap as above. The outcome the critic learns is
-    then the hidden facts (which asking reveals), not pixels that move with every draft's wording."""
+    then the hidden facts (which asking reveals), not pixels that move with every draft's wording.
+    shortcuts (ours, off by default): each success (code: success; html: an exact design) that ended by
+    answering after more than one agent turn is also paired against up to `shortcuts` copies of itself that
+    give the same final answer sooner (shortcut: one turn sooner, two turns sooner, ...), each copy chosen:
+    the same grade for fewer of the human's turns. Unlike fewer_turns, the two dialogues of a pair part at one
+    state: the answer there against the turn the dialogue took (no rule says which turns were wasted)."""
     if by_facts and task_type != "html":
         raise ValueError("by_facts pairs html samples (procedural pages with design facts)")
     # the rank: facts right + similarity in [0, 1], so that one more fact right outweighs any similarity gap
@@ -479,6 +495,11 @@ def trajectory_pairs(rows, task_type="code", min_gap=0.1, fewer_turns=False, by_
             wins = [r for r in group if r.get("success")]  # html: set on procedural pages only, = exact_design
             pairs += [(a, b) for a in wins for b in wins
                       if num_agent_turns(a) < num_agent_turns(b) and (id(a), id(b)) not in made]
+        if shortcuts:
+            for r in group:
+                turns = agent_turns(r)
+                if r.get("success") and r.get("finish", "answered") == "answered" and ANSWER_MARKER in turns[-1][1]:
+                    pairs += [(shortcut(r, k), r) for k in range(len(turns) - 1, max(len(turns) - 1 - shortcuts, 0), -1)]
     return pairs
 
 

@@ -108,6 +108,8 @@ TRAIN_LAYERS=${TRAIN_LAYERS:-$([ "$MODEL" = embedded ] && echo 10 || echo 0)}  #
 CRITIC_EPOCHS=${CRITIC_EPOCHS:-2}
 FEWER_TURNS=${FEWER_TURNS:-0}         # critics: 1 also pairs two successes of a task, the shorter dialogue chosen (ours; off: html
                                       # SEED=3's turn-credit fell 0.771 -> 0.700 with it, docs/frontend.md)
+SHORTCUTS=${SHORTCUTS:-0}             # critics: N also pairs each success against copies that give its answer 1..N turns sooner,
+                                      # each copy chosen (ours; off; docs/frontend.md, "Sooner answers as critic pairs")
 PAIR_FACTS=${PAIR_FACTS:-$([ "${TASK_TYPE:-code}" = html ] && [ -z "$TRAIN_TASKS$TEST_TASKS" ] && echo 1 || echo 0)}  # html on
                                       # procedural pages: 1 ranks the critics' trajectory pairs by design facts right, then
                                       # similarity (ours); its kept update beat the similarity pairs' on validation on four of
@@ -139,7 +141,7 @@ PROMPT_DIR=${PROMPT_DIR:-}            # prompt templates replacing ours (e.g. a 
 
 KNOWN="SMALL TRAIN_TASKS TEST_TASKS RUN MODEL WARMUP N_WARMUP WARMUP_FAMILIES ORACLE_HASTY WARM_BAND WARMUP_TRIES HASTY_STEP ORACLE_DETOUR N_TRAIN N_TEST N_VAL VAL_SAMPLES SNAPSHOTS SAMPLES ORACLE_SAMPLES
   CANDIDATES PAIRS_PER_STATE DATA_FRACTION DPO_EPOCHS DPO_CROSS_KIND LABEL_CROSS_KIND SELECT_SIGNIFICANT TEMPERATURE TRAIN_TEMPERATURE TOP_P MAX_TURNS MAX_NEW_TOKENS LR_WARMUP LR_CRITIC LR_DPO
-  CRITIC_EPOCHS FEWER_TURNS PAIR_FACTS HOUSE_STYLE CRITIC_CONTRAST GROUP_BY_TASK DECISION_TERMS CRITICS CREDIT_VARIANTS TRAIN_LAYERS BATCH_SIZE NPROC AGENT_BACKEND GRAD_CKPT TRAIN_DTYPE WARMUP_DTYPE DECODE_DTYPE SCORE_DTYPE SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL PROMPT_DIR REPORT_DIALOGUES SETUP FREE_GB PY"
+  CRITIC_EPOCHS FEWER_TURNS SHORTCUTS PAIR_FACTS HOUSE_STYLE CRITIC_CONTRAST GROUP_BY_TASK DECISION_TERMS CRITICS CREDIT_VARIANTS TRAIN_LAYERS BATCH_SIZE NPROC AGENT_BACKEND GRAD_CKPT TRAIN_DTYPE WARMUP_DTYPE DECODE_DTYPE SCORE_DTYPE SEED SIMULATOR_URL BASELINES TASK_TYPE CLIP_MODEL PROMPT_DIR REPORT_DIALOGUES SETUP FREE_GB PY"
 echo "run.sh: run directory $RUN$([ -d "$RUN" ] && echo ' (exists: finished stages are reused)')"
 for v in OUT_DIR OUTPUT_DIR RUN_DIR OUTPUT; do  # easy mistakes: run.sh reads RUN
   if [ -n "${!v-}" ]; then echo "run.sh: warning: $v is set but run.sh does not read it; the run directory is RUN=$RUN" >&2; fi
@@ -302,7 +304,7 @@ critic() {  # critic DIR [variant flags]: CRITICS critics, DIR then DIR_2, DIR_3
     d=$dir; [ "$k" = 1 ] || d=${dir}_$k
     have "$d" || train train_critic.py --trajectories "$RUN/train_graded.jsonl" --model "$POLICY" --output_dir "$d" \
       --lr "$LR_CRITIC" --epochs "$CRITIC_EPOCHS" --task_type "$TASK_TYPE" --seed $((SEED + 1000 * (k - 1))) --train_layers "$TRAIN_LAYERS" \
-      $([ "$GROUP_BY_TASK" = 1 ] && echo --group_by_task) $([ "$FEWER_TURNS" = 1 ] && echo --fewer_turns) \
+      $([ "$GROUP_BY_TASK" = 1 ] && echo --group_by_task) $([ "$FEWER_TURNS" = 1 ] && echo --fewer_turns) --shortcuts "$SHORTCUTS" \
       $([ "$PAIR_FACTS" = 1 ] && echo --pair_facts) $([ "$DECISION_TERMS" = 1 ] && echo --decision_terms) "${contrast[@]}" "$@"
     ENSEMBLE=${ENSEMBLE:+$ENSEMBLE+}$d
   done

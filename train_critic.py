@@ -34,6 +34,8 @@ Deviations from the paper / released code:
 7. `--training_info facts` (ours, off by default): c is the human's hidden lines, then the reference solution.
 8. `--decision_terms` (ours, off by default): each turn's first line is a term of the score of its own,
    S(tau) = sum_t [A(first line of a_t) + A(rest of a_t)] (decision_terms below).
+9. `--shortcuts N` (ours, off by default): a success is also paired against copies of itself that answer
+   1..N turns sooner, each copy chosen (colbench.trajectory_pairs).
 """
 from __future__ import annotations
 
@@ -107,6 +109,9 @@ class Args:
     (same loss and gradients as running each trajectory whole; --no_shared_prefix does that)"""
     fewer_turns: bool = False
     """also pair two successes of a task (html: exact designs), the one with fewer agent turns chosen"""
+    shortcuts: int = 0
+    """also pair each success that answered after several agent turns against up to N copies that give the same
+    answer 1..N turns sooner, each copy chosen (ours; colbench.trajectory_pairs; 0 = off)"""
     pair_facts: bool = False
     """html on procedural pages: the sample with more design facts right is chosen whatever the similarities,
     as many right pair by similarity (needs evaluate.py's facts_right)"""
@@ -186,7 +191,8 @@ def main(args):
                   args.beta <= 0 and "--beta must be positive", args.lr <= 0 and "--lr must be positive",
                   args.epochs < 1 and "--epochs must be at least 1", args.batch_size < 1 and "--batch_size must be at least 1",
                   not 0 <= args.heldout_fraction < 1 and "--heldout_fraction must be in [0, 1)",
-                  args.save_every < 0 and "--save_every must be >= 0", *models.precision_problems(args),
+                  args.save_every < 0 and "--save_every must be >= 0",
+                  args.shortcuts < 0 and "--shortcuts must be >= 0", *models.precision_problems(args),
                   args.resume and not Path(args.output_dir, "resume").exists() and not Path(args.output_dir, "resume.old").exists()
                   and f"--resume: nothing to resume in {args.output_dir}/resume")
     common.check_writable(args.output_dir.rstrip("/") + "/")
@@ -195,7 +201,8 @@ def main(args):
     tok = models.load_tokenizer(args.model)
     graded = [r for path in filter(None, (args.trajectories, args.extra_trajectories))
               for r in colbench.load_graded(path, facts=args.pair_facts)]
-    pairs = colbench.trajectory_pairs(graded, args.task_type, fewer_turns=args.fewer_turns, by_facts=args.pair_facts)
+    pairs = colbench.trajectory_pairs(graded, args.task_type, fewer_turns=args.fewer_turns, by_facts=args.pair_facts,
+                                      shortcuts=args.shortcuts)
     if not pairs:
         sys.exit(f"{args.trajectories}: no trajectory pairs (need tasks whose best sample succeeds and another "
                  f"sample with a lower reward; roll out more samples per task)")
@@ -215,8 +222,9 @@ def main(args):
     train_pairs = [p for p in pairs if p[0]["task_id"] not in held]
     held_pairs = [p for p in pairs if p[0]["task_id"] in held]
     if rank == 0:
-        print(f"{len(pairs)} pairs from {len(task_ids)} tasks: {len(train_pairs)} train, {len(held_pairs)} held out",
-              flush=True)
+        sooner = sum("shortcut_of" in c for c, _ in pairs)
+        print(f"{len(pairs)} pairs from {len(task_ids)} tasks: {len(train_pairs)} train, {len(held_pairs)} held out"
+              + (f"; {sooner} of them a success against its answer given sooner" if sooner else ""), flush=True)
 
     critic = common.shard_model(models.load_model(args.model, device, args.grad_ckpt, torch.float32, args.train_layers),
                                 world, device, models.compute_dtype(args.dtype, device))

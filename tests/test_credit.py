@@ -272,6 +272,31 @@ def test_trajectory_pairs_fewer_turns():
     assert names(colbench.trajectory_pairs(html, "html", fewer_turns=True)) == sorted(base + [(1, 0)])
 
 
+def test_trajectory_pairs_shortcuts():
+    def row(s, turns, win, answered=True):
+        d = [{"role": "user", "content": "make a page"}]
+        for t in range(1, turns + 1):
+            out = f"I WANT TO ANSWER: page {s}" if answered and t == turns else f"ask {s}.{t}"
+            d += [{"role": "assistant", "content": out, "input": f"prompt {s}.{t}", "output": out}]
+            d += [{"role": "user", "content": f"reply {s}.{t}"}] if t < turns else []
+        return {"task_id": "h", "sample": s, "reward": 1.0 if win else 0.3, "success": win, "exact_design": win,
+                "facts_right": 3 if win else 1, "dialogue_history": d, "finish": "answered" if answered else "max_turns"}
+    rows = [row(0, 4, True), row(1, 1, True), row(2, 3, False), row(3, 3, True, answered=False)]
+    base = colbench.trajectory_pairs(rows, "html", by_facts=True)
+    added = colbench.trajectory_pairs(rows, "html", by_facts=True, shortcuts=2)[len(base):]
+    # only the success that answered after several turns gets copies (not the one-turn success, the failure,
+    # nor the success whose last turn the turn cap made its answer); one and two turns sooner, each chosen
+    assert [(c["num_turns"], r["sample"], r["num_turns"] if "num_turns" in r else 4) for c, r in added] == [(3, 0, 4), (2, 0, 4)]
+    sooner = added[1][0]
+    assert colbench.agent_turns(sooner) == [("prompt 0.1", "ask 0.1"), ("prompt 0.2", "I WANT TO ANSWER: page 0")]
+    assert [m["content"] for m in sooner["dialogue_history"]] == ["make a page", "ask 0.1", "reply 0.1", "I WANT TO ANSWER: page 0"]
+    assert (sooner["reward"], sooner["facts_right"], sooner["shortcut_of"]) == (1.0, 3, 4)
+    assert len(colbench.agent_turns(rows[0])) == 4  # the original is left as it was
+    assert len(colbench.trajectory_pairs(rows, "html", by_facts=True, shortcuts=9)) == len(base) + 3  # at most turns - 1
+    code = [dict(r, reward=1.0 if r["success"] else 0.0) for r in rows]
+    assert len(colbench.trajectory_pairs(code, "code", shortcuts=1)) == len(colbench.trajectory_pairs(code, "code")) + 1
+
+
 def test_compare_reports_bootstrap_and_paired_intervals(tmp_path):
     t = task("fee")
     def graded(name, successes):

@@ -465,6 +465,21 @@ def write_graded(tok, path, n_tasks=6, sep=" "):
     return rows
 
 
+def test_critic_learns_shortcut_pairs(tiny_model, tmp_path):
+    """--shortcuts 1: each success (a question, then the answer) is also paired against its answer given at the
+    first turn, the copy chosen; the critic trains on both kinds of pair and learns them."""
+    tok = models.load_tokenizer(tiny_model)
+    write_graded(tok, tmp_path / "g.jsonl", n_tasks=4)
+    p = run_script("train_critic.py", "--trajectories", tmp_path / "g.jsonl", "--model", tiny_model, "--output_dir",
+                   tmp_path / "critic", "--lr", "3e-3", "--epochs", "6", "--batch_size", "4", "--heldout_fraction", "0",
+                   "--group_by_task", "--train_metrics", "--shortcuts", "1")
+    assert "8 pairs from 4 tasks: 8 train, 0 held out; 4 of them a success against its answer given sooner" in p.stdout
+    log = read_jsonl(tmp_path / "critic" / "log.jsonl")
+    assert len(log) == 12 and log[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)  # 8 pairs / 4 a step x 6 epochs
+    assert json.loads((tmp_path / "critic" / "final_metrics.json").read_text())["train_acc"] == 1.0
+    assert json.loads((tmp_path / "critic" / "run_settings.json").read_text())["shortcuts"] == 1
+
+
 def test_critic_learns_a_separable_toy_set(tiny_model, tmp_path):
     tok = models.load_tokenizer(tiny_model)
     write_graded(tok, tmp_path / "g.jsonl")

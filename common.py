@@ -140,7 +140,7 @@ def save_run_settings(path, args):
                                 cwd=Path(__file__).parent, timeout=5).stdout.strip()
     except Exception:
         commit = ""
-    settings = dict(vars(args), git_commit=commit, argv=sys.argv)
+    settings = dict(vars(args), git_commit=commit, argv=sys.argv, cwd=os.getcwd())  # cwd: where relative paths start
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(settings, indent=2, default=str))
 

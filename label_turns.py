@@ -217,16 +217,15 @@ def critic_members(specs):
 
 def load_critics(critic_dirs):
     """({name: run_settings of each train_critic.py output}, pi_ref): every critic must start from one pi_ref
-    (paths compared resolved)."""
+    (paths compared resolved, a relative one from the directory its critic was trained in)."""
     for name, d in critic_dirs.items():
         common.refuse(not (Path(d) / "run_settings.json").exists()
                       and f"critic {name}={d}: no run_settings.json (expected a train_critic.py output directory)")
     settings = {name: json.loads((Path(d) / "run_settings.json").read_text()) for name, d in critic_dirs.items()}
-    same = lambda m: str(Path(m).resolve()) if Path(m).exists() else m
     first = next(iter(settings))
-    ref_name = settings[first]["model"]
-    common.refuse(*[same(s["model"]) != same(ref_name) and f"critic {name} starts from {s['model']}, critic {first} "
-                    f"from {ref_name}: one pi_ref for all" for name, s in settings.items()])
+    ref_name = models.named_model(settings[first]["model"], settings[first])
+    common.refuse(*[models.named_model(s["model"], s) != ref_name and f"critic {name} starts from {s['model']}, critic {first} "
+                    f"from {settings[first]['model']}: one pi_ref for all" for name, s in settings.items()])
     return settings, ref_name
 
 
@@ -305,7 +304,7 @@ def label(args, todo, critic_dirs, groups, critic_settings, ref_name, policy_nam
                          args.max_batch_tokens, args.keep_frozen, args.score_dtype, groups)
     sampler = sampler or models.make_sampler(args.agent_backend, policy_name, args.temperature, args.top_p,
                                                args.max_new_tokens, args.seed, args.agent_url, args.batch_size,
-                                               loaded=scorer.plain_ref if policy_name == ref_name else None,
+                                               loaded=scorer.plain_ref if models.named_model(policy_name) == ref_name else None,
                                                max_batch_tokens=args.max_batch_tokens, decode_dtype=args.decode_dtype)
 
     bar = common.tqdm_if(None, True, "states", total=len(todo))

@@ -72,6 +72,16 @@ def resolve_model(name):
     return embedded_model_dir() if name in (None, "", EMBEDDED) else name
 
 
+def named_model(name, settings=None):
+    """A model named by a path that exists, read from the directory the stage of `settings` (a run_settings.json,
+    which records it) ran in, else from here: that path, absolute. Anything else (a hub id, "embedded") as it is."""
+    for base in [(settings or {}).get("cwd"), "."]:
+        p = Path(base or ".") / name
+        if p.exists():
+            return str(p.resolve())
+    return name
+
+
 def load_tokenizer(name):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(resolve_model(name))

@@ -54,10 +54,11 @@ def turn_advantages(rows, critic_dir):
     import torch
     from train_critic import training_info, turn_advantage
     settings = json.loads((Path(critic_dir) / "run_settings.json").read_text())
+    ref_name = models.named_model(settings["model"], settings)  # pi_ref, a relative path read from where it trained
     device = models.local_device()  # a GPU when there is one: bf16 there (an 8B critic and pi_ref fit), fp32 on the CPU
-    tok = models.load_tokenizer(settings["model"])
+    tok = models.load_tokenizer(ref_name)
     top = settings.get("train_layers", 0)
-    critic, ref = (models.load_model(m, device, train_layers=top).eval() for m in (critic_dir, settings["model"]))
+    critic, ref = (models.load_model(m, device, train_layers=top).eval() for m in (critic_dir, ref_name))
     bottom = common.FrozenBottom.common_to([ref, critic], top)  # their shared frozen layers run once (train_critic --train_layers)
     out = []
     with torch.no_grad():

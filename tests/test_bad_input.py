@@ -107,3 +107,32 @@ def test_unwritable_output_fails_before_any_work(tmp_path, task_files):
     p = subprocess.run([sys.executable, "train_dpo.py", "--mode", "sft", "--trajectories", str(train), "--output_dir",
                         str(blocker / "out")], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert p.returncode != 0 and "cannot write there" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_critics_name_their_pi_ref_from_where_they_trained(tmp_path, monkeypatch):
+    """A critic's pi_ref is a path as train_critic.py was given it: a relative one is read from the directory it
+    ran in (run_settings' cwd), so critics trained from different directories, or named absolutely, are one pi_ref;
+    a different pi_ref is still refused."""
+    (tmp_path / "run" / "policy").mkdir(parents=True)
+    (tmp_path / "other").mkdir()
+
+    def critic(name, model, cwd):
+        settings = {"model": model, "beta": 0.1}
+        if cwd:
+            settings["cwd"] = str(cwd)
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "run_settings.json").write_text(json.dumps(settings))
+        return str(tmp_path / name)
+
+    monkeypatch.chdir(tmp_path / "other")  # labelling from a third directory: "policy" exists nowhere here
+    dirs = {"a": critic("a", "policy", tmp_path / "run"), "b": critic("b", str(tmp_path / "run" / "policy"), None),
+            "c": critic("c", "run/policy", tmp_path)}
+    settings, ref = label_turns.load_critics(dirs)
+    assert ref == str((tmp_path / "run" / "policy").resolve()) and set(settings) == {"a", "b", "c"}
+    # a critic of another starting point, or one whose relative path never existed where it trained
+    (tmp_path / "run" / "other_policy").mkdir()
+    fails_with(label_turns.load_critics, {**dirs, "d": critic("d", "other_policy", tmp_path / "run")},
+               match="critic d starts from other_policy.*one pi_ref for all")
+    fails_with(label_turns.load_critics, {**dirs, "e": critic("e", "policy", tmp_path)}, match="critic e starts from policy")
+    # a hub id or the embedded model is a name, compared as it is
+    assert label_turns.load_critics({"x": critic("x", "embedded", tmp_path)})[1] == "embedded"

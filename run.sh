@@ -109,7 +109,7 @@ CRITIC_EPOCHS=${CRITIC_EPOCHS:-2}
 FEWER_TURNS=${FEWER_TURNS:-0}         # critics: 1 also pairs two successes of a task, the shorter dialogue chosen (ours; off: html
                                       # SEED=3's turn-credit fell 0.771 -> 0.700 with it, docs/frontend.md)
 SHORTCUTS=${SHORTCUTS:-0}             # critics: N also pairs each success against copies that give its answer 1..N turns sooner,
-                                      # each copy chosen (ours; off: on one html draw turn-credit fell 0.801 -> 0.773 with it,
+                                      # each copy chosen (ours; off: on one html draw turn-credit fell 0.783 -> 0.722 with it,
                                       # docs/frontend.md, "Sooner answers as critic pairs")
 PAIR_FACTS=${PAIR_FACTS:-$([ "${TASK_TYPE:-code}" = html ] && [ -z "$TRAIN_TASKS$TEST_TASKS" ] && echo 1 || echo 0)}  # html on
                                       # procedural pages: 1 ranks the critics' trajectory pairs by design facts right, then

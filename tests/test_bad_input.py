@@ -3,6 +3,7 @@ can't work together are refused before any work (no model is loaded, no output i
 import json
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -124,6 +125,9 @@ def test_critics_name_their_pi_ref_from_where_they_trained(tmp_path, monkeypatch
         (tmp_path / name / "run_settings.json").write_text(json.dumps(settings))
         return str(tmp_path / name)
 
+    monkeypatch.chdir(tmp_path / "run")  # every stage's run_settings.json records where its relative paths start
+    common.save_run_settings(tmp_path / "s.json", types.SimpleNamespace(model="policy"))
+    assert json.loads((tmp_path / "s.json").read_text())["cwd"] == str(tmp_path / "run")
     monkeypatch.chdir(tmp_path / "other")  # labelling from a third directory: "policy" exists nowhere here
     dirs = {"a": critic("a", "policy", tmp_path / "run"), "b": critic("b", str(tmp_path / "run" / "policy"), None),
             "c": critic("c", "run/policy", tmp_path)}

@@ -75,6 +75,8 @@ def resolve_model(name):
 def named_model(name, settings=None):
     """A model named by a path that exists, read from the directory the stage of `settings` (a run_settings.json,
     which records it) ran in, else from here: that path, absolute. Anything else (a hub id, "embedded") as it is."""
+    if name in (None, "", EMBEDDED):  # the embedded model, never a path (resolve_model)
+        return name
     for base in [(settings or {}).get("cwd"), "."]:
         p = Path(base or ".") / name
         if p.exists():

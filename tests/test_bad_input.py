@@ -139,4 +139,5 @@ def test_critics_name_their_pi_ref_from_where_they_trained(tmp_path, monkeypatch
                match="critic d starts from other_policy.*one pi_ref for all")
     fails_with(label_turns.load_critics, {**dirs, "e": critic("e", "policy", tmp_path)}, match="critic e starts from policy")
     # a hub id or the embedded model is a name, compared as it is
+    (tmp_path / "embedded").mkdir()  # even beside a folder of that name, as resolve_model reads it
     assert label_turns.load_critics({"x": critic("x", "embedded", tmp_path)})[1] == "embedded"

@@ -77,8 +77,7 @@ def named_model(name, settings=None):
     which records it) ran in, else from here: that path, absolute. Anything else (a hub id, "embedded") as it is."""
     if name in (None, "", EMBEDDED):  # the embedded model, never a path (resolve_model)
         return name
-    for base in [(settings or {}).get("cwd"), "."]:
-        p = Path(base or ".") / name
+    for p in (Path((settings or {}).get("cwd", ".")) / name, Path(name)):
         if p.exists():
             return str(p.resolve())
     return name

@@ -297,11 +297,14 @@ DESIGN_FACTS = {  # key -> (sentence, values), in the order the human ranks a dr
     "footer": ("The footer is {}.", HUES),
     "title": ("The title is aligned to the {}.", ("left", "center", "right")),
 }
-# House style (ours, generate_tasks.py --house_style): the request states a house style for all five facts,
-# then the changes it wants; its hidden facts are changes it does not state. Which unstated facts are hidden is
-# then known only from the reference, not from the request (without it, the unstated facts are the hidden ones).
-HOUSE_STYLE = {"background": "white", "header": "gray", "boxes": "3", "footer": "gray", "title": "left"}
-HOUSE_INTRO, HOUSE_CHANGES = "Our house style is this.", "For this page I want changes."
+def design_page(design, title):
+    """The page (a <body> element) of a design {key: value} (colbench.DESIGN_FACTS); the boxes take the header's hue."""
+    dark = design["background"] == "dark"
+    box = f'<div class="bg-{design["header"]}-200"></div>'
+    return (f'<body class="{"bg-gray-900" if dark else "bg-white"}">\n'
+            f'<header class="bg-{design["header"]}-600 text-white text-4xl text-{design["title"]} p-6">{title}</header>\n'
+            f'<div class="grid grid-cols-{design["boxes"]} gap-4 p-6 h-36">{box * int(design["boxes"])}</div>\n'
+            f'<footer class="bg-{design["footer"]}-700 text-white p-4">{title}</footer>\n</body>')
 
 
 def design_fact(key, value):
@@ -326,27 +329,6 @@ def design_of(task):
     """{key: value} of every design fact a procedural page states (description and hidden lines);
     empty for other frontend tasks."""
     return design_in(task.get("problem_description", "") + "\n" + task.get("hidden_information", ""))
-
-
-def request_design(task):
-    """{key: value} of the design facts a procedural page's request states, less those its hidden lines
-    change (a house style's value of a hidden fact is not what the human wants)."""
-    hidden = design_in(task.get("hidden_information", ""))
-    return {k: v for k, v in design_in(task.get("problem_description", "")).items() if k not in hidden}
-
-
-def kept_design(task):
-    """{key: value} of the facts a house-style page's request keeps at the house style without naming them (ours,
-    generate_tasks.py --house_style): known to the agent, and only c tells them from hidden ones. Empty on other pages."""
-    if HOUSE_INTRO not in task.get("problem_description", ""):
-        return {}
-    return {k: v for k, v in request_design(task).items() if HOUSE_STYLE[k] == v}
-
-
-def known_design(task, dialogue):
-    """{key: value} of the design facts the agent has been told by the end of `dialogue`: those its request
-    states and the hidden ones the human has said."""
-    return {**request_design(task), **design_in("\n".join(revealed_facts(task, dialogue)))}
 
 
 def design_mismatches(design, features):
@@ -444,62 +426,25 @@ def num_agent_turns(r):
     return r.get("num_turns", sum(m["role"] == "assistant" for m in r["dialogue_history"]))
 
 
-def shortcut(r, k):
-    """A copy of answered trajectory r that gives its final answer at agent turn k (1-based) instead: the
-    first k-1 agent turns and the human's replies to them, then the last turn's text on turn k's prompt (the
-    prompt of turn k is the same in both). The benchmark grades only the final answer, so the copy's grade is
-    r's, exactly."""
-    d = r["dialogue_history"]
-    agent = [j for j, m in enumerate(d) if m["role"] == "assistant" and "input" in m]
-    last = dict(d[agent[-1]], input=d[agent[k - 1]]["input"])
-    return {**r, "dialogue_history": d[:agent[k - 1]] + [last], "num_turns": k, "shortcut_of": num_agent_turns(r)}
-
-
-def trajectory_pairs(rows, task_type="code", min_gap=0.1, fewer_turns=False, by_facts=False, shortcuts=0):
+def trajectory_pairs(rows, task_type="code", min_gap=0.1):
     """(chosen, rejected) trajectory pairs from graded rollouts, as released. Backend: per task the
     best sample must succeed; every lower-reward sample of that task is a rejected partner.
     Frontend: every two samples whose rewards (similarities) differ by at least min_gap; and on
     procedural pages (ours) also an exact design over a lower-similarity sample that is not one
-    (the number of boxes or the title's alignment barely moves a similarity).
-    fewer_turns (ours, off by default): also two successes of a task (code: success; html: an exact
-    design) not paired above, the one with fewer agent turns chosen: the same outcome for less of the
-    human's time. The paper's reward ignores turns; this is a tie-break, not a cost.
-    by_facts (ours, html on procedural pages): rank by design facts right (evaluate.py's facts_right) before
-    similarity: a sample with more facts right is chosen over one with fewer whatever their similarities,
-    and two with as many facts right pair by the similarity gap as above. The outcome the critic learns is
-    then the hidden facts (which asking reveals), not pixels that move with every draft's wording.
-    shortcuts (ours, off by default): each success (code: success; html: an exact design) that ended by
-    answering after more than one agent turn is also paired against up to `shortcuts` copies of itself that
-    give the same final answer sooner (shortcut: one turn sooner, two turns sooner, ...), each copy chosen:
-    the same grade for fewer of the human's turns. Unlike fewer_turns, the two dialogues of a pair part at one
-    state: the answer there against the turn the dialogue took (no rule says which turns were wasted)."""
-    if by_facts and task_type != "html":
-        raise ValueError("by_facts pairs html samples (procedural pages with design facts)")
-    # the rank: facts right + similarity in [0, 1], so that one more fact right outweighs any similarity gap
-    score = (lambda r: r["facts_right"] + min(max(r["reward"], 0.0), 1.0)) if by_facts else (lambda r: r["reward"])
+    (the number of boxes or the title's alignment barely moves a similarity)."""
     by_task = {}
     for r in rows:
         by_task.setdefault(r["task_id"], []).append(r)
     pairs = []
     for group in by_task.values():
-        group = sorted(group, key=lambda r: (-score(r), r.get("sample", 0)))
+        group = sorted(group, key=lambda r: (-r["reward"], r.get("sample", 0)))
         if task_type == "code":
             best = group[0]
             if best.get("success", best["reward"] >= 1.0):
                 pairs += [(best, r) for r in group[1:] if r["reward"] < best["reward"]]
         else:
-            pairs += [(a, b) for i, a in enumerate(group) for b in group[i + 1:] if score(a) - score(b) >= min_gap
-                      or score(a) > score(b) and a.get("exact_design") and not b.get("exact_design")]
-        if fewer_turns:
-            made = {(id(a), id(b)) for a, b in pairs} | {(id(b), id(a)) for a, b in pairs}
-            wins = [r for r in group if r.get("success")]  # html: set on procedural pages only, = exact_design
-            pairs += [(a, b) for a in wins for b in wins
-                      if num_agent_turns(a) < num_agent_turns(b) and (id(a), id(b)) not in made]
-        if shortcuts:
-            for r in group:
-                turns = agent_turns(r)
-                if r.get("success") and r.get("finish", "answered") == "answered" and ANSWER_MARKER in turns[-1][1]:
-                    pairs += [(shortcut(r, k), r) for k in range(len(turns) - 1, max(len(turns) - 1 - shortcuts, 0), -1)]
+            pairs += [(a, b) for i, a in enumerate(group) for b in group[i + 1:] if a["reward"] - b["reward"] >= min_gap
+                      or a["reward"] > b["reward"] and a.get("exact_design") and not b.get("exact_design")]
     return pairs
 
 
@@ -526,9 +471,9 @@ def validate_trajectory(r, where, task_type=None):
         raise DataError(f"{where}: 'answer' must be a string or null")
 
 
-def load_graded(path, task_type=None, facts=False):
-    """Graded trajectories (evaluate.py output); each needs `reward` and stored agent inputs/outputs
-    (with facts, also `facts_right`). Dialogues that ended in an infrastructure error (finish=error) are
+def load_graded(path, task_type=None):
+    """Graded trajectories (evaluate.py output); each needs `reward` and stored agent inputs/outputs.
+    Dialogues that ended in an infrastructure error (finish=error) are
     left out with a note: their low reward says nothing about the agent."""
     rows, errors = [], 0
     for line, r in read_jsonl(path):
@@ -537,9 +482,6 @@ def load_graded(path, task_type=None, facts=False):
             raise DataError(f"{path}:{line}: missing 'reward' (grade rollouts with evaluate.py first)")
         if not isinstance(r["reward"], (int, float)) or isinstance(r["reward"], bool):
             raise DataError(f"{path}:{line}: 'reward' must be a number, got {r['reward']!r}")
-        if facts and not isinstance(r.get("facts_right"), int):
-            raise DataError(f"{path}:{line}: no 'facts_right' (pairs by design facts need procedural pages graded by "
-                            f"evaluate.py; leave out --pair_facts for pages without hidden design facts)")
         r["task_id"] = r.get("task_id") or task_id(r["task"])
         if not agent_turns(r):
             raise DataError(f"{path}:{line}: no assistant turn with stored 'input' and 'output'")

@@ -8,7 +8,6 @@ Nothing here is stage logic; a helper lives here only when two or more stages ne
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -378,10 +377,9 @@ def tokenize_turns(tokenizer, turns, prefix="", max_len=None):
     return seqs
 
 
-def sequence_logprobs(model, ids, turn_of, chunk=1024, bottom=None):
+def sequence_logprobs(model, ids, turn_of, chunk=1024):
     """Log-probs of the agent tokens of one sequence, in one forward pass. Logits are computed only
-    at the positions that predict an agent token, and the log-softmax in chunks of rows. With a
-    FrozenBottom, only the layers above it run, on its kept hidden states.
+    at the positions that predict an agent token, and the log-softmax in chunks of rows.
     Returns (logp [n_agent_tokens], turn index of each [n_agent_tokens])."""
     import torch
     device = next(model.parameters()).device
@@ -390,9 +388,7 @@ def sequence_logprobs(model, ids, turn_of, chunk=1024, bottom=None):
     target_pos = (turn_t[1:] >= 0).nonzero().squeeze(1) + 1  # tokens scored (the first token never is)
     if len(target_pos) == 0:
         return torch.zeros(0, device=device), turn_t[:0]
-    inputs = {"input_ids": ids_t} if bottom is None else {"inputs_embeds": bottom.hidden(model, ids)}
-    with bottom.top(model) if bottom is not None else contextlib.nullcontext():
-        logits = model(**inputs, logits_to_keep=target_pos - 1).logits[0]  # [n_agent_tokens, vocab]
+    logits = model(input_ids=ids_t, logits_to_keep=target_pos - 1).logits[0]  # [n_agent_tokens, vocab]
     return token_logprobs(logits, ids_t[0, target_pos], chunk), turn_t[target_pos]
 
 
@@ -403,7 +399,7 @@ def token_logprobs(logits, targets, chunk=1024):
                       for rows, t in zip(logits.split(chunk), targets.split(chunk))])
 
 
-def turn_logprobs(model, seqs, num_turns, bottom=None):
+def turn_logprobs(model, seqs, num_turns):
     """Per-turn (sum, count) of agent-token log-probs over a trajectory's sequences.
     sum: [num_turns] float (differentiable), count: [num_turns] tokens per turn. mean = sum / count."""
     import torch
@@ -411,53 +407,17 @@ def turn_logprobs(model, seqs, num_turns, bottom=None):
     total = torch.zeros(num_turns, device=device)
     count = torch.zeros(num_turns, device=device)
     for ids, turn_of in seqs:
-        logp, turn = sequence_logprobs(model, ids, turn_of, bottom=bottom)
+        logp, turn = sequence_logprobs(model, ids, turn_of)
         total = total.index_add(0, turn, logp)
         count = count.index_add(0, turn, torch.ones_like(logp))
     return total, count
 
 
-def shared_prefix_turn_logprobs(model, trajs, chunk=1024, bottom=None):
-    """turn_logprobs of trajectories [(seqs, num_turns)] that begin alike (a critic pair: the same c and
-    first prompt): their common prefix, up to the first agent token, runs once, then the rest of each on
-    a copy of its KV cache (no padding), with gradients through the cache. Equal to turn_logprobs of
-    each (tests check 1e-4, gradients too). Falls back to that when a trajectory has several sequences
-    or nothing is shared. Needs a KV cache (not with activation checkpointing). With a FrozenBottom,
-    the same runs only the layers above it, on its kept hidden states."""
-    import torch
-    from transformers import DynamicCache
-    ids = [seqs[0][0] for seqs, _ in trajs]
-    tof = [seqs[0][1] for seqs, _ in trajs]
-    p = min(next((i for i, t in enumerate(o) if t >= 0), len(o)) for o in tof)  # no agent token in the prefix
-    p = next((i for i in range(p) if any(x[i] != ids[0][i] for x in ids)), p)  # ... and the same in all
-    agent = [[a for a in range(p, len(x)) if o[a] >= 0] for x, o in zip(ids, tof)]  # positions scored
-    if any(len(seqs) != 1 for seqs, _ in trajs) or p < 1 or not all(agent):
-        return [turn_logprobs(model, seqs, n, bottom) for seqs, n in trajs]
-    device = next(model.parameters()).device
-    if bottom is None:
-        inputs = [{"input_ids": torch.tensor([x], device=device)} for x in ids]
-    else:  # the frozen layers' output for each whole trajectory; its first p positions are the same in all
-        inputs = [{"inputs_embeds": bottom.hidden(model, x)} for x in ids]
-    part = lambda i, s: {k: v[:, s] for k, v in inputs[i].items()}
-    with bottom.top(model) if bottom is not None else contextlib.nullcontext():
-        out = model(**part(0, slice(None, p)), **with_cache(model, DynamicCache()), use_cache=True, logits_to_keep=1)
-        first = out.logits[0, -1]  # predicts token p of every trajectory
-        prefix_kv = [(layer.keys, layer.values) for layer in cache_of(out).layers]
-        results = []
-        for i, ((seqs, n), x, o, pos) in enumerate(zip(trajs, ids, tof, agent)):
-            cache = cache_on(prefix_kv)  # a rest appends to a fresh cache, never to the prefix's tensors
-            need = [a - p - 1 for a in pos if a > p]  # rest position j predicts token p + j + 1
-            logits = model(**part(i, slice(p, None)), **with_cache(model, cache),
-                           logits_to_keep=torch.tensor(need or [0], device=device)).logits[0]
-            lg = torch.cat([first[None]] + ([logits] if need else [])) if pos[0] == p else logits
-            tg = torch.tensor([x[a] for a in pos], device=device)
-            logp = token_logprobs(lg, tg, chunk)
-            turn = torch.tensor([o[a] for a in pos], device=device)
-            results.append((torch.zeros(n, device=device).index_add(0, turn, logp),
-                            torch.zeros(n, device=device).index_add(0, turn, torch.ones_like(logp))))
-    return results
-
-
+# ------------------------------- FAST PATH (same numbers) -------------------------------------
+# turn_logprobs above is the path to read. The one faster path below scores N continuations of one
+# prompt (label_turns' candidates, turn-level DPO's chosen and rejected) with the prompt run once;
+# tests/test_training.py checks it equal to turn_logprobs, values and gradients.
+# ----------------------------------------------------------------------------------------------
 def with_cache(model, cache):
     """{name: cache} for a forward: transformers 5.2x calls the KV cache `cache` (`past_key_values` warns
     there and goes in 5.40); 5.19, the one vLLM pins, knows only `past_key_values`."""
@@ -483,127 +443,6 @@ def cache_on(kv, rows=1):
     for layer, (k, v) in enumerate(kv):
         cache.update(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1), layer)
     return cache
-
-
-class FrozenBottom:
-    """With --train_layers N only the top N decoder layers train, so the layers below compute the same
-    hidden states for a sequence at every step. This keeps them, one tensor per distinct sequence, from
-    the first pass over it (pi_ref's, before training), and later passes run only the top layers on
-    them (sequence_logprobs, shared_prefix_turn_logprobs, shared_prompt_logprobs): the same log-probs
-    and gradients (tests check 1e-4), without the frozen layers' forward at every step. A critic
-    trained so shares its bottom with pi_ref, so labelling runs it once for both (and for every critic
-    that shares it). Memory: one [len, hidden] fp32 tensor per sequence (~0.3 GB for the embedded html
-    critic's trajectories; label_turns forgets a state's after scoring it). For an HF decoder that loops
-    over model.get_decoder().layers and takes inputs_embeds as they are (Llama, Qwen, Mistral...); the
-    first sequence is checked against a whole forward, and a model that differs is refused."""
-
-    class _Stop(Exception):
-        """Raised by the hook on the last frozen layer: the forward ends there."""
-
-    def __init__(self, model, train_layers):
-        """model's bottom (all but its top train_layers decoder layers, and the embeddings) must be frozen."""
-        import torch
-        self.torch, self.kept, self.checked = torch, {}, False
-        self.n = n = len(model.get_decoder().layers)
-        self.k = n - train_layers  # decoder layers 0..k-1 are frozen
-        refuse(not 0 < self.k < n and f"FrozenBottom: train_layers {train_layers} of {n}",
-               any(p.requires_grad for p in self.bottom_parameters(model, self.k))
-               and "FrozenBottom: the bottom layers must be frozen (train_layers)")
-
-    @staticmethod
-    def bottom_parameters(model, k):
-        return [p for x in (model.get_input_embeddings(), *model.get_decoder().layers[:k]) for p in x.parameters()]
-
-    @classmethod
-    def common_to(cls, models, train_layers):
-        """One FrozenBottom for models that hold the same weights below their top train_layers layers (critics
-        trained with --train_layers from one pi_ref, and pi_ref), else None."""
-        import torch
-        n = len(models[0].get_decoder().layers)
-        if not 0 < train_layers < n or any(len(m.get_decoder().layers) != n for m in models):
-            return None
-        first = cls.bottom_parameters(models[0], n - train_layers)
-        if not all(torch.equal(a, b) for m in models[1:] for a, b in zip(first, cls.bottom_parameters(m, n - train_layers))):
-            return None
-        return cls(models[0], train_layers)
-
-    def _bottom(self, model, ids, cache=None):
-        """Hidden states entering layer k for ids (after the cached tokens), by the frozen layers alone:
-        a hook ends the forward after layer k-1 (the cache then holds layers 0..k-1)."""
-        torch, box = self.torch, {}
-        if len(model.get_decoder().layers) != self.n:
-            raise RuntimeError("FrozenBottom: the frozen layers' states are computed outside top()")
-
-        def stop(module, args, out):
-            box["h"] = out if torch.is_tensor(out) else out[0]
-            raise FrozenBottom._Stop
-        hook = model.get_decoder().layers[self.k - 1].register_forward_hook(stop)
-        try:
-            with torch.no_grad():
-                model(input_ids=torch.tensor([ids], device=next(model.parameters()).device),
-                      **with_cache(model, cache), use_cache=cache is not None)
-        except FrozenBottom._Stop:
-            pass
-        finally:
-            hook.remove()
-        return box["h"].detach()
-
-    def _check(self, model, ids, h):
-        """Once: the top layers on h give the whole model's logits (a model that scales or changes
-        inputs_embeds in its forward would not)."""
-        torch = self.torch
-        if self.checked:
-            return
-        self.checked = True
-        with torch.no_grad(), self.top(model):
-            top = model(inputs_embeds=h, use_cache=False, logits_to_keep=1).logits
-        with torch.no_grad():
-            whole = model(input_ids=torch.tensor([ids], device=h.device), use_cache=False, logits_to_keep=1).logits
-        refuse(not torch.allclose(top, whole, atol=1e-3, rtol=1e-3) and
-               f"FrozenBottom: {type(model).__name__} does not run its top layers alone on their input "
-               f"(logits differ by {(top - whole).abs().max().item():.3g}); "
-               f"train_critic.py and label_turns.py: pass --no_keep_frozen")
-
-    def hidden(self, model, ids):
-        """The hidden states entering decoder layer k for token ids ([1, len, hidden]), kept."""
-        key = tuple(ids)
-        if key not in self.kept:
-            self.kept[key] = self._bottom(model, ids)
-            self._check(model, ids, self.kept[key])
-        return self.kept[key]
-
-    def prompt_hidden(self, model, prompt_ids, conts):
-        """(the prompt's hidden states [1, P, hidden], [each continuation's [1, len, hidden]]), kept: the
-        prompt runs once and each continuation on a copy of its (frozen layers') KV cache."""
-        from transformers import DynamicCache
-        key = (tuple(prompt_ids), *map(tuple, conts))
-        if key not in self.kept:
-            cache = DynamicCache()
-            h = self._bottom(model, prompt_ids, cache)
-            self._check(model, prompt_ids, h)
-            prompt_kv = [(layer.keys, layer.values) for layer in cache.layers]
-            rest = []
-            for c in conts:
-                rest.append(self._bottom(model, c, cache_on(prompt_kv)))
-            self.kept[key] = (h, rest)
-        return self.kept[key]
-
-    @contextlib.contextmanager
-    def top(self, model):
-        """Within: model(inputs_embeds=h) runs only decoder layers k.. on h, the hidden states entering layer
-        k; its KV cache holds those layers alone (as layers 0..)."""
-        decoder = model.get_decoder()
-        layers = decoder.layers
-        shifted = [m for layer in layers[self.k:] for m in layer.modules() if isinstance(getattr(m, "layer_idx", None), int)]
-        decoder.layers = self.torch.nn.ModuleList(layers[self.k:])
-        for m in shifted:
-            m.layer_idx -= self.k
-        try:
-            yield model
-        finally:
-            decoder.layers = layers
-            for m in shifted:
-                m.layer_idx += self.k
 
 
 def encode_shared(tokenizer, prefix, prompt, continuations, max_len):
@@ -637,49 +476,22 @@ def length_groups(lengths, overhead=64):
 LOGITS_BUDGET = 2**28  # shared_prompt_logprobs with max_tokens: logits held at once (1 GiB in fp32)
 
 
-def first_line_tokens(tok, turn, n):
-    """How many of a turn's n token ids (its text's, then end of turn, as encode_shared and tokenize_turns give them)
-    are its decision: all n for a one-line turn (a question decides by what it asks, and its end of turn says that
-    it stops there), else those that start before its first newline ("I WANT TO ANSWER:", a draft's opening line;
-    with the newline the critics learned to rank every answer below asking, docs/frontend.md), at least 1.
-    label_turns ranks by it (--cross_kind decision), train_critic trains it (--decision_terms), train_dpo trains a
-    pair of turns of different kinds on it (--cross_kind decision)."""
-    if "\n" not in turn.strip() or not turn.split("\n", 1)[0].strip():
-        return n
-    end = turn.index("\n")
-    offsets = tok(turn, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-    return max(1, min(n, sum(1 for a, _ in offsets if a < end)))
-
-
-def shared_prompt_logprobs(model, prompt_ids, conts, chunk=1024, max_tokens=None, bottom=None, heads=None):
+def shared_prompt_logprobs(model, prompt_ids, conts, chunk=1024, max_tokens=None):
     """Summed log-prob and token count of each continuation of one prompt: the prompt runs once, then
     the continuations as right-padded batches of similar length (length_groups) on its KV cache;
-    gradients flow through the cache into the prompt's pass. Equal to scoring prompt + continuation
-    one by one (tests check 1e-4, gradients too). Returns two [N] tensors. Needs a KV cache (not with
-    activation checkpointing). max_tokens bounds memory (label_turns --max_batch_tokens; None: one
-    batch per length group): each row holds its own copy of the prompt's KV cache, so a batch has at
-    most max_tokens // (prompt + longest continuation) rows, and its [rows, length, vocab] logits at
-    most LOGITS_BUDGET elements. With a FrozenBottom, only the layers above it run, on its kept hidden
-    states (those of the frozen layers are small beside the logits, and not bounded by max_tokens).
-    heads: [N] token counts (>= 1): also return, third, the summed log-prob of each continuation's first heads[i]
-    tokens, from the same pass (label_turns.py's decision: a turn's first line)."""
-    hidden = bottom.prompt_hidden(model, prompt_ids, conts) if bottom is not None else None  # before top() below
-    with bottom.top(model) if bottom is not None else contextlib.nullcontext():
-        return _shared_prompt_logprobs(model, prompt_ids, conts, chunk, max_tokens, hidden, heads)
-
-
-def _shared_prompt_logprobs(model, prompt_ids, conts, chunk, max_tokens, hidden, heads=None):
-    """shared_prompt_logprobs; hidden: (prompt's, [each continuation's]) inputs_embeds, or None (token ids)."""
+    gradients flow through the cache into the prompt's pass. Equal to turn_logprobs of prompt +
+    continuation one by one (tests check 1e-4, gradients too). Returns two [N] tensors. Needs a KV
+    cache (not with activation checkpointing). max_tokens bounds memory (label_turns --max_batch_tokens;
+    None: one batch per length group): each row holds its own copy of the prompt's KV cache, so a batch
+    has at most max_tokens // (prompt + longest continuation) rows, and its logits at most LOGITS_BUDGET."""
     import torch
     from transformers import DynamicCache
     device = next(model.parameters()).device
-    prompt_in = {"input_ids": torch.tensor([prompt_ids], device=device)} if hidden is None else {"inputs_embeds": hidden[0]}
-    out = model(**prompt_in, **with_cache(model, DynamicCache()), use_cache=True, logits_to_keep=1)
+    out = model(input_ids=torch.tensor([prompt_ids], device=device), **with_cache(model, DynamicCache()), use_cache=True, logits_to_keep=1)
     first = torch.log_softmax(out.logits[0, -1].float(), -1)[[c[0] for c in conts]]  # the prompt's last position predicts token 0
     prompt_kv = [(layer.keys, layer.values) for layer in cache_of(out).layers]
     del out
     sums = list(first)
-    head_sums = list(first)
     for group in length_groups([len(c) for c in conts]):
         L = max(len(conts[i]) for i in group)
         rows = len(group) if max_tokens is None else max(1, min(max_tokens // (len(prompt_ids) + L),  # KV cache
@@ -693,25 +505,17 @@ def _shared_prompt_logprobs(model, prompt_ids, conts, chunk, max_tokens, hidden,
             for row, i in enumerate(part):
                 ids[row, :len(conts[i])] = torch.tensor(conts[i], device=device)
                 mask[row, len(prompt_ids):len(prompt_ids) + len(conts[i])] = 1
-            inputs = {"input_ids": ids}
-            if hidden is not None:  # the continuations' kept hidden states, right-padded with zeros (masked)
-                inputs = {"inputs_embeds": torch.zeros((n, L, hidden[0].shape[-1]), dtype=hidden[0].dtype, device=device)}
-                for row, i in enumerate(part):
-                    inputs["inputs_embeds"][row, :len(conts[i])] = hidden[1][i][0]
             # position j of the batch predicts continuation token j+1 (the last position predicts nothing)
-            logits = model(**inputs, **with_cache(model, cache), attention_mask=mask,
+            logits = model(input_ids=ids, **with_cache(model, cache), attention_mask=mask,
                            logits_to_keep=torch.arange(L - 1, device=device) if L > 1 else 1).logits  # [n, L-1, vocab]
             del cache
             for row, i in enumerate(part):
                 m = len(conts[i]) - 1
                 if m:
-                    lp = token_logprobs(logits[row, :m], ids[row, 1:m + 1], chunk)
-                    sums[i] = sums[i] + lp.sum()
-                    if heads is not None:
-                        head_sums[i] = head_sums[i] + lp[:heads[i] - 1].sum()
+                    sums[i] = sums[i] + token_logprobs(logits[row, :m], ids[row, 1:m + 1], chunk).sum()
             del logits
     counts = torch.tensor([float(len(c)) for c in conts], device=device)
-    return (torch.stack(sums), counts) if heads is None else (torch.stack(sums), counts, torch.stack(head_sums))
+    return torch.stack(sums), counts
 
 
 # ----------------------------------------------------------------------------------------------
@@ -952,24 +756,14 @@ def precompute(model, items, fn, rank, world, desc="reference log-probs"):
     return [results[i] for i in range(len(items))]
 
 
-def batch_order(n, batch_size, epochs, seed, groups=None):
+def batch_order(n, batch_size, epochs, seed):
     """Global batches of example indices [(epoch, [i, ...])], shuffled each epoch; the same on every
     rank, and the same after a restart (it depends only on these arguments). A fractional epochs ends
-    the last pass early: the first round(epochs x batches per pass) batches (at least 1) of ceil(epochs) passes.
-    groups (a key per example): each pass shuffles the keys, then the examples of each key, and lays
-    every group's examples side by side, so that a batch spans as few groups as it can."""
+    the last pass early: the first round(epochs x batches per pass) batches (at least 1) of ceil(epochs) passes."""
     rng, out, passes = random.Random(seed), [], math.ceil(epochs)
-    members = {}
-    for i, key in enumerate(groups or []):
-        members.setdefault(key, []).append(i)
     for epoch in range(passes):
-        if groups is None:
-            order = list(range(n))
-            rng.shuffle(order)
-        else:
-            keys = sorted(members)
-            rng.shuffle(keys)
-            order = [i for key in keys for i in rng.sample(members[key], len(members[key]))]
+        order = list(range(n))
+        rng.shuffle(order)
         out += [(epoch, order[b:b + batch_size]) for b in range(0, n, batch_size)]
     return out[:max(1, round(len(out) * epochs / passes))]
 

@@ -67,21 +67,18 @@ class Args:
     policies: str = ""
     """with --compare: NAME=DIR,... the checkpoint each run used (recorded in the results)"""
     credit: str = ""
-    """with --compare: label_turns.py's PAIRS.credit.json (turn-credit accuracy of each critic)"""
+    """with --compare: label_turns.py's PAIRS (its PAIRS.states.jsonl, merged shards too): turn-credit accuracy of each critic"""
     bootstrap: int = 10000
     """with --compare: bootstrap resamples over tasks"""
     select: bool = False
     """with --compare: also pick the run with the highest success (the earliest listed wins a tie) and record it
     as `selected` and `selected_policy` in --summary (run.sh: checkpoint selection on validation tasks)"""
-    select_significant: bool = False
-    """with --select: a run other than the first is picked only when its paired 95% interval against the first
-    lies above 0, so a gain the validation tasks cannot tell from noise keeps the first (run.sh's SELECT_SIGNIFICANT=1)"""
 
 
 def grade_html(rows, args):
     """reward = similarity of the rendered final answer and the rendered target (its metric named). On
     procedural pages with design facts also success = exact_design: the answer's render matches every
-    design fact (render.design_features, read from pixels), and facts_right: how many it matches."""
+    design fact (render.design_features, read from pixels)."""
     sim = render.ImageSimilarity(args.clip_model)
     tasks = {r["task_id"]: r["task"]["ground_truth"] for r in rows}
     with render.RenderPool(args.render_workers) as pool, ThreadPoolExecutor(args.render_workers) as threads:
@@ -96,17 +93,7 @@ def grade_html(rows, args):
             features = render.design_features(img)
             wrong = colbench.design_mismatches(design, features) if r["answer"] else list(design)
             r["success"] = r["exact_design"] = not wrong
-            r["facts_right"] = len(design) - len(wrong)  # of the page's design facts (train_critic.py --pair_facts)
-            # facts the agent had been told (stated in the request or heard) that its answer breaks: an informed
-            # answer gone wrong, which no question could have prevented
-            r["known_fact_errors"] = colbench.design_mismatches(colbench.known_design(r["task"], r["dialogue_history"]),
-                                                                features) if r["answer"] else []
     return rows, {"metric": sim.metric, "render_failures": failures}
-
-
-def known_fact_error_rate(rows):
-    """procedural pages: the share of dialogues whose answer breaks a design fact the agent had been told"""
-    return sum(bool(r["known_fact_errors"]) for r in rows) / len(rows)
 
 
 def win_rate(rows, reference_rows):
@@ -195,8 +182,6 @@ def print_table(s, title=""):
             lines += [(f"best-of-{s['k']} similarity", f"{100 * s['best_of_k_tests']:.1f}%")]
         if s.get("exact_design") is not None:
             lines += [("exact design (every design fact right)", f"{100 * s['exact_design']:.1f}%")]
-        if s.get("known_fact_errors") is not None:
-            lines += [("answers breaking a fact the agent was told", f"{100 * s['known_fact_errors']:.1f}%")]
         if s.get("win_rate") is not None:
             lines += [("win rate vs reference", f"{100 * s['win_rate']:.1f}%")]
         lines += [("pages that failed to render", s["render_failures"])]
@@ -256,10 +241,6 @@ def compare(args):
         if html and all("exact_design" in r for r in rows):
             exact[name] = sum(r["exact_design"] for r in rows) / len(rows)
             exact_task[name] = {t: sum(r["exact_design"] for r in v) / len(v) for t, v in by.items()}
-        if html and all("known_fact_errors" in r for r in rows):  # and how many answers broke each fact
-            length[name]["known_fact_errors"] = known_fact_error_rate(rows)
-            length[name]["known_fact_errors_by_fact"] = {k: sum(k in r["known_fact_errors"] for r in rows)
-                                                         for k in colbench.DESIGN_FACTS}
         if html:  # dialogues with no page to grade (most ran out of turns asking): scored as an empty page
             length[name]["no_page"] = sum(not r.get("answer") for r in rows)
     html = metric != "success"
@@ -270,6 +251,10 @@ def compare(args):
         raise common.DataError("--compare: the runs share no task")
     paired = {}  # NAME -> difference to the first method (the baseline, zero_shot in run.sh)
     res = {"num_test_tasks": len(tasks), **({"metric": metric} if html else {}), "methods": {}, f"paired_vs_{base}": paired}
+    for other in list(runs)[1:]:  # every other method against every other (e.g. paired_vs_multi_turn_dpo)
+        diff = lambda name: [per_task[name][t] - per_task[other][t] for t in tasks]
+        res[f"paired_vs_{other}"] = {name: {"diff": sum(diff(name)) / len(tasks), "ci95": bootstrap_ci(diff(name), args.bootstrap)}
+                                     for name in runs if name != other}
     for name in runs:
         xs = [per_task[name][t] for t in tasks]
         res["methods"][name] = {score: sum(xs) / len(xs), "ci95": bootstrap_ci(xs, args.bootstrap),
@@ -284,14 +269,12 @@ def compare(args):
             if html:  # a task is won when its similarity is higher; ties count half
                 wins = [1.0 if x > 0 else 0.5 if x == 0 else 0.0 for x in d]
                 paired[name].update(win_rate=sum(wins) / len(wins), win_rate_ci95=bootstrap_ci(wins, args.bootstrap),
-                                    won=sum(x > 0 for x in d), tied=sum(x == 0 for x in d), lost=sum(x < 0 for x in d),
-                                    # near-ties: a few pixels between two near-right pages decide these
-                                    won_by_under_005=sum(0 < x < 0.05 for x in d), lost_by_under_005=sum(-0.05 < x < 0 for x in d))
+                                    won=sum(x > 0 for x in d), tied=sum(x == 0 for x in d), lost=sum(x < 0 for x in d))
             if name in exact_task and base in exact_task:  # the similarity barely sees some design facts
                 e = [exact_task[name][t] - exact_task[base][t] for t in tasks]
                 paired[name].update(exact_design_diff=sum(e) / len(e), exact_design_ci95=bootstrap_ci(e, args.bootstrap))
     if args.credit:
-        credit_report = json.loads(open(args.credit).read())
+        credit_report = credit.report(args.credit)
         res["credit_accuracy"] = credit_report["credit_accuracy"]
         if credit_report.get("kind_order"):  # the accuracy of a fixed order of turn kinds, the baseline to beat
             res["credit_kind_order"] = credit_report["kind_order"]
@@ -316,8 +299,7 @@ def compare(args):
           f"{args.bootstrap} resamples)")
     for name, p in paired.items():
         if "won" in p:
-            print(f"{name} vs {base}: won {p['won']}, tied {p['tied']}, lost {p['lost']} tasks; "
-                  f"by less than 0.05 similarity: won {p['won_by_under_005']}, lost {p['lost_by_under_005']}")
+            print(f"{name} vs {base}: won {p['won']}, tied {p['tied']}, lost {p['lost']} tasks")
         if "exact_design_diff" in p:
             print(f"exact design, {name} vs {base}: {100 * p['exact_design_diff']:+.1f} "
                   f"[{100 * p['exact_design_ci95'][0]:+.1f}, {100 * p['exact_design_ci95'][1]:+.1f}] (paired)")
@@ -326,11 +308,6 @@ def compare(args):
                                                       for name, v in length.items()))
     if html:  # an update that asks until its turns run out loses such pages whole
         print("dialogues with no page to grade: " + ", ".join(f"{name} {v['no_page']}" for name, v in length.items()))
-    if any("known_fact_errors" in v for v in length.values()):  # an update can make informed answers worse
-        print("answers breaking a design fact the agent was told (stated or heard), then answers per fact ("
-              + "/".join(colbench.DESIGN_FACTS) + "): " + ", ".join(
-                  f"{name} {100 * v['known_fact_errors']:.1f}% ({'/'.join(map(str, v['known_fact_errors_by_fact'].values()))})"
-                  for name, v in length.items() if "known_fact_errors" in v))
     if outcomes:
         print("where the dialogues ended: " + " / ".join(colbench.OUTCOMES))
         for name, o in outcomes.items():
@@ -340,11 +317,7 @@ def compare(args):
         if res.get("credit_kind_order"):
             print(f"  {credit.kind_order_line(res['credit_kind_order'])}")
     if args.select:  # max() keeps the first of equal values: the starting policy, then the least-trained snapshot
-        eligible = [n for n in res["methods"] if n == base or not args.select_significant or paired[n]["ci95"][0] > 0]
-        if len(eligible) < len(res["methods"]):
-            print(f"not selectable (paired 95% interval against {base} not above 0): "
-                  + ", ".join(n for n in res["methods"] if n not in eligible))
-        best = max(eligible, key=lambda n: res["methods"][n][score])
+        best = max(res["methods"], key=lambda n: res["methods"][n][score])
         res["selected"], res["selected_policy"] = best, res["methods"][best]["policy"]
         print(f"selected: {best} ({res['selected_policy'] or 'no policy given'})")
     if args.summary:
@@ -405,8 +378,6 @@ def main(args):
         s["similarity"], s["win_rate"] = s["tests_passed"], None
         if rows and all("exact_design" in r for r in rows):  # procedural pages: success = exact design
             s["exact_design"] = s["success_rate"]
-        if rows and all("known_fact_errors" in r for r in rows):
-            s["known_fact_errors"] = known_fact_error_rate(rows)
         if args.reference:
             ref = [r for _, r in common.read_jsonl(args.reference)]
             if ref and ref[0].get("metric") != s["metric"]:

@@ -62,12 +62,6 @@ class Args:
     """llm source: model name on that server (default: the server's first model)"""
     seed_texts: str = ""
     """llm source: a text file, one seed text per line (web text the task is built around)"""
-    house_style: bool = False
-    """procedural html pages: the request states a house style and some changes; 2-3 changes are hidden and
-    1-3 facts keep the house style unstated, so only the reference tells which unstated facts are hidden
-    (without it, every unstated fact is hidden; docs/frontend.md, "A house style")"""
-    families: str = ""
-    """procedural code tasks: comma-separated families to draw from (default: all)"""
     workers: int = 8
     """parallel sandboxed checks of ground truths"""
 
@@ -196,9 +190,9 @@ FAMILIES = {"threshold": fam_threshold, "fee": fam_fee, "greeting": fam_greeting
             "aggregate": fam_aggregate, "score": fam_score}
 
 
-def procedural_task(rng, family=None, families=None):
-    """One task from a random family (of `families`, default all), in the public format (plus `family`)."""
-    family = family or rng.choice(sorted(families or FAMILIES))
+def procedural_task(rng, family=None):
+    """One task from a random family, in the public format (plus `family`)."""
+    family = family or rng.choice(sorted(FAMILIES))
     fn, sig, desc, facts, gt, arg_lists = FAMILIES[family](rng)
     calls = [f"{fn}({', '.join(str(a) for a in args)})" for args in arg_lists]
     return {"problem_description": f"{desc} The signature of the function is: def {sig}",
@@ -218,40 +212,17 @@ BUSINESSES = ["bakery", "law firm", "yoga studio", "bike shop", "dental clinic",
 TAILWIND_LINK = '<link href="https://cdn.jsdelivr.net/npm/tailwindcss@2.2.19/dist/tailwind.min.css" rel="stylesheet">'
 
 
-def design_page(design, title):
-    """The page (a <body> element) of a design {key: value} (colbench.DESIGN_FACTS); the boxes take the header's hue."""
-    dark = design["background"] == "dark"
-    box = f'<div class="bg-{design["header"]}-200"></div>'
-    return (f'<body class="{"bg-gray-900" if dark else "bg-white"}">\n'
-            f'<header class="bg-{design["header"]}-600 text-white text-4xl text-{design["title"]} p-6">{title}</header>\n'
-            f'<div class="grid grid-cols-{design["boxes"]} gap-4 p-6 h-36">{box * int(design["boxes"])}</div>\n'
-            f'<footer class="bg-{design["footer"]}-700 text-white p-4">{title}</footer>\n</body>')
-
-
-def procedural_page(rng, house_style=False):
+def procedural_page(rng):
     """One frontend task: problem_description (with the stated facts), hidden_information (the hidden
-    facts, one a line, most important first) and ground_truth (the target HTML). With house_style the
-    request states the house style (colbench.HOUSE_STYLE) and 0-2 changes to it; 2-3 other changes are
-    hidden, and 1-3 facts keep the house style unstated, so the request does not tell which are hidden."""
-    if house_style:
-        keys = list(colbench.DESIGN_FACTS)
-        hidden = set(rng.sample(keys, rng.choice([2, 3])))
-        rest = [k for k in keys if k not in hidden]
-        kept = set(rng.sample(rest, rng.randint(1, len(rest))))
-        design = {k: colbench.HOUSE_STYLE[k] if k in kept else rng.choice([v for v in values if v != colbench.HOUSE_STYLE[k]])
-                  for k, (_, values) in colbench.DESIGN_FACTS.items()}
-        changes = " ".join(colbench.design_fact(k, design[k]) for k in keys if k not in hidden | kept)
-        stated = " ".join([colbench.HOUSE_INTRO, *(colbench.design_fact(k, v) for k, v in colbench.HOUSE_STYLE.items()),
-                           *([colbench.HOUSE_CHANGES, changes] if changes else [])])
-    else:
-        design = {k: rng.choice(values) for k, (_, values) in colbench.DESIGN_FACTS.items()}
-        hidden = set(rng.sample(sorted(design), rng.choice([2, 3])))
-        stated = " ".join(colbench.design_fact(k, design[k]) for k in design if k not in hidden)
+    facts, one a line, most important first) and ground_truth (the target HTML)."""
+    design = {k: rng.choice(values) for k, (_, values) in colbench.DESIGN_FACTS.items()}
+    hidden = set(rng.sample(sorted(design), rng.choice([2, 3])))
+    stated = " ".join(colbench.design_fact(k, design[k]) for k in design if k not in hidden)
     biz = rng.choice(BUSINESSES)
     return {"problem_description": f"I want a {rng.choice(['clean', 'bold', 'friendly', 'simple'])} web page for my {biz}: "
                                    f"a header with its name, a row of boxes and a footer. {stated}",
             "hidden_information": "\n".join(colbench.design_fact(k, design[k]) for k in design if k in hidden),
-            "ground_truth": f"<html>\n{TAILWIND_LINK}\n{design_page(design, biz.title())}\n</html>"}
+            "ground_truth": f"<html>\n{TAILWIND_LINK}\n{colbench.design_page(design, biz.title())}\n</html>"}
 
 
 def load_html_tasks(path):
@@ -330,45 +301,29 @@ def main(args):
         sys.exit(f"--task_type {args.task_type}: choose code or html")
     common.check_writable(args.output)
     exclude = {t["task_id"] for f in filter(None, args.exclude.split(",")) for t in colbench.load_tasks(f, args.task_type)}
-    if args.task_type == "html":
-        if args.source == "procedural":
-            rng, tasks, seen = random.Random(args.seed), [], set(exclude)
-            for _ in range(args.num_tasks * 50):
-                if len(tasks) == args.num_tasks:
-                    break
-                t = procedural_page(rng, args.house_style)
-                t["task_id"] = colbench.task_id(t)
-                if t["task_id"] not in seen:
-                    seen.add(t["task_id"])
-                    tasks.append(t)
-        elif args.source == "file" and args.input:
-            tasks = [t for t in load_html_tasks(args.input) if t["task_id"] not in exclude][: args.num_tasks or None]
-        else:
-            sys.exit("--task_type html: use --source procedural, or --source file --input PATH")
-        common.write_jsonl(args.output, tasks)
-        print(f"wrote {len(tasks)} tasks to {args.output}")
-        return
     if args.source == "procedural":
-        families = [f for f in args.families.split(",") if f] or None
-        unknown = set(families or []) - set(FAMILIES)
-        if unknown:
-            sys.exit(f"--families: unknown {', '.join(sorted(unknown))}; choose from {', '.join(sorted(FAMILIES))}")
+        make = procedural_page if args.task_type == "html" else procedural_task
         rng, tasks, seen = random.Random(args.seed), [], set(exclude)
         for _ in range(args.num_tasks * 50):
             if len(tasks) == args.num_tasks:
                 break
-            t = procedural_task(rng, families=families)
+            t = make(rng)
             t["task_id"] = colbench.task_id(t)
             if t["task_id"] not in seen:
                 seen.add(t["task_id"])
                 tasks.append(t)
-        tasks = keep_runnable(tasks, args.workers)
+        if args.task_type == "code":
+            tasks = keep_runnable(tasks, args.workers)
+    elif args.source == "file" and args.task_type == "html":
+        if not args.input:
+            sys.exit("--source file needs --input PATH")
+        tasks = [t for t in load_html_tasks(args.input) if t["task_id"] not in exclude][: args.num_tasks or None]
     elif args.source == "file":
         if not args.input:
             sys.exit("--source file needs --input PATH")
         tasks = [t for t in colbench.load_tasks(args.input, args.task_type) if t["task_id"] not in exclude]
         tasks = tasks[: args.num_tasks or None]
-    elif args.source == "llm":
+    elif args.source == "llm" and args.task_type == "code":
         if not (args.endpoint and args.seed_texts):
             sys.exit("--source llm needs --endpoint URL and --seed_texts FILE")
         texts = [l.strip() for l in Path(args.seed_texts).read_text().splitlines() if l.strip()]
@@ -380,7 +335,7 @@ def main(args):
         print(f"{len(parsed)}/{len(replies)} replies parsed as tasks", file=sys.stderr)
         tasks = [dict(t, task_id=colbench.task_id(t)) for t in keep_runnable(parsed, args.workers)]
     else:
-        sys.exit(f"--source {args.source}: choose procedural, file or llm")
+        sys.exit(f"--source {args.source}: choose procedural, file or llm (llm: code tasks only)")
     common.write_jsonl(args.output, tasks)
     print(f"wrote {len(tasks)} tasks to {args.output}")
 

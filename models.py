@@ -97,7 +97,7 @@ def render_prompt(tokenizer, messages):
 
 
 def dtype_problem(flag, name):
-    """The message for a precision flag (--dtype, --decode_dtype, --score_dtype) set to an unknown name, else ''."""
+    """The message for a precision flag (--dtype) set to an unknown name, else ''."""
     return name not in ("auto", "bfloat16", "float32") and f"{flag} {name}: choose auto, bfloat16 or float32"
 
 
@@ -173,61 +173,6 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
 # ----------------------------------------------------------------------------------------------
 # Samplers
 # ----------------------------------------------------------------------------------------------
-def growing_cache(reserve, dtype=None):
-    """A DynamicCache whose layers write each step's keys and values into a buffer with room for
-    reserve more positions, instead of concatenating (DynamicLayer copies the whole cache at every
-    decoding step: a tenth of an html rollout's time on a CPU). The model reads the same values, as views.
-    dtype (bf16_kv_attention's cache): the buffers hold keys and values in dtype, and the attention is given
-    each whole buffer, zeros and stale positions past the cache included, with a mask as long that hides them
-    (as a StaticCache does): a matmul on a view of a longer buffer copies it first, on the whole one it does not."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import Cache, DynamicLayer
-
-    class GrowingLayer(DynamicLayer):
-        def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-                self.buffers, self.length = None, 0
-            n, m = self.length, key_states.shape[-2]
-            if self.buffers is None or n + m > self.buffers[0].shape[-2]:
-                grown = []
-                for old, new in zip((self.keys, self.values), (key_states, value_states)):
-                    shape = (*new.shape[:-2], n + m + reserve, new.shape[-1])
-                    b = new.new_zeros(shape, dtype=dtype) if dtype else new.new_empty(shape)  # whole: no NaN garbage
-                    if n:
-                        b[..., :n, :] = old
-                    grown.append(b)
-                self.buffers = grown
-            for b, new in zip(self.buffers, (key_states, value_states)):
-                b[..., n:n + m, :] = new
-            self.length = n + m
-            self.keys, self.values = (b[..., :n + m, :] for b in self.buffers)
-            return tuple(self.buffers) if dtype else (self.keys, self.values)
-
-        def get_mask_sizes(self, query, *args):  # transformers 5.2x passes the query's length, 5.19 its positions
-            if not dtype:
-                return super().get_mask_sizes(query, *args)
-            n, q = self.get_seq_length(), query if isinstance(query, int) else query.shape[0]
-            room = self.buffers[0].shape[-2] if self.is_initialized and self.buffers is not None else 0
-            return (room if n + q <= room else n + q + reserve), 0  # the length of the buffer update returns
-
-        def crop(self, *args, **kwargs):  # DynamicLayer's crop shortens the views; the next write follows them
-            super().crop(*args, **kwargs)
-            if self.is_initialized and self.buffers is not None:
-                self.length = self.keys.shape[-2]
-
-        def batch_select_indices(self, indices):
-            if self.get_seq_length() > 0:
-                self.buffers = [b[indices, ...] for b in self.buffers]
-                self.keys, self.values = (b[..., :self.length, :] for b in self.buffers)
-
-    class GrowingCache(DynamicCache):
-        def __init__(self):
-            Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
-
-    return GrowingCache()
-
-
 def end_tokens(tok):
     """The token ids that end a turn: a row that picks one has ended it (HFSampler, simulator.py's HFBackend)."""
     return {tok.eos_token_id, tok.pad_token_id}
@@ -250,93 +195,21 @@ def sample_rows(probs):
     return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(1)
 
 
-def bf16_matmuls(model):
-    """A copy of model whose linear layers multiply in bf16 (a bf16 copy of each weight; inputs cast
-    to bf16, outputs back to fp32), everything else as it was: on a CPU with AVX512-BF16 an html
-    decoding step at 64 rows takes about 0.7x the time (docs/speed.md). A whole bf16 model decodes
-    slower there (attention and the small ops), so only the matmuls change. The copy samples a
-    policy whose weights are rounded to bf16, as a GPU's bf16 sampler does; every log-prob that
-    enters a loss or an advantage still comes from the training and scoring code, never from it."""
-    import copy
-    import torch
-
-    class Bf16Linear(torch.nn.Module):
-        def __init__(self, linear):
-            super().__init__()
-            self.weight = torch.nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)
-            self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().to(torch.bfloat16),
-                                                                            requires_grad=False)
-
-        def forward(self, x):
-            return torch.nn.functional.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
-
-    model = copy.deepcopy(model)  # a model shared with the caller (label_turns' pi_ref) stays as it is
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, torch.nn.Linear):
-                setattr(parent, name, Bf16Linear(child))
-    return model
-
-
-BF16_KV = "bf16_kv_decoding"
-
-
-def bf16_kv_attention(model):
-    """Make model (a sampler's own copy, from bf16_matmuls) attend over a bf16 KV cache (growing_cache with
-    dtype bf16) in a decoding step: the query in bf16, the two products in bf16 (AVX512-BF16 / AMX), the
-    softmax in fp32. A decoding step on a CPU is bound by reading every row's cache, and the fp32 SDPA
-    kernel reads 4 bytes a value where this reads 2: a decoding step of 48 rows on 1,200 cached tokens takes
-    0.75x the time (bench/bench_attention.py, docs/speed.md). A prefill (more than one query position) runs
-    SDPA on fp32 copies of the keys and values. The cache's rounding to bf16 is a GPU's bf16 sampler's; no
-    log-prob that enters a loss or an advantage comes from here."""
-    import torch
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        if attention_mask is not None:  # the first pass on an empty cache: the mask spans only its query
-            key, value = key[:, :, :attention_mask.shape[-1]], value[:, :, :attention_mask.shape[-1]]
-        if query.shape[2] > 1:
-            return sdpa_attention_forward(module, query, key.to(query.dtype), value.to(query.dtype), attention_mask,
-                                          scaling=scaling, **kwargs)
-        b, heads, _, d = query.shape
-        q = query.reshape(b, key.shape[1], heads // key.shape[1], d).to(key.dtype)  # query heads by their kv head
-        scores = torch.matmul(q, key.transpose(-1, -2)).float() * (scaling or d ** -0.5)
-        if attention_mask is not None:  # [b, 1, 1, kv]: True (or 0.0) where a row may attend
-            scores = (scores.masked_fill(~attention_mask, float("-inf")) if attention_mask.dtype == torch.bool
-                      else scores + attention_mask)
-        out = torch.matmul(torch.softmax(scores, -1).to(value.dtype), value).to(query.dtype)
-        return out.reshape(b, 1, heads, d), None  # as SDPA's: [batch, query positions, heads, dim]
-
-    AttentionInterface.register(BF16_KV, attention)
-    AttentionMaskInterface.register(BF16_KV, sdpa_mask)
-    model.config._attn_implementation = BF16_KV
-    return model, torch.bfloat16  # the model, and the dtype its growing_cache must hold
-
-
 class HFSampler:
     """transformers in process: all prompts as one left-padded batch (seeded once per process).
     reuse_cache (rollouts): each dialogue keeps its KV cache from one turn to the next (the key's
     dialogue part, key minus its last '/' field), so a turn runs only the tokens its prompt adds:
     the human's reply and the chat template's markers. Dialogues absent from a call are dropped."""
-    def __init__(self, model, temperature, top_p, max_new_tokens, loaded=None, reuse_cache=False, max_batch_tokens=65536,
-                 decode_dtype="auto"):
+    def __init__(self, model, temperature, top_p, max_new_tokens, loaded=None, reuse_cache=False, max_batch_tokens=65536):
         import torch
         from transformers import AutoModelForCausalLM
         self.torch, self.temperature, self.top_p, self.max_new_tokens = torch, temperature, top_p, max_new_tokens
         self.tok = load_tokenizer(model)
         self.tok.padding_side = "left"
         self.device = local_device()
-        if problem := dtype_problem("--decode_dtype", decode_dtype):
-            raise DataError(problem)
-        # auto: bf16 weights on a GPU, fp32 on a CPU; bfloat16 on a CPU: fp32 weights, bf16 matmuls (bf16_matmuls)
-        dtype = torch.bfloat16 if self.device.type == "cuda" and decode_dtype != "float32" else torch.float32
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.model = loaded if loaded is not None else \
             AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=dtype).to(self.device).eval()
-        self.kv_dtype = None  # the KV cache's dtype when not the model's
-        if decode_dtype == "bfloat16" and self.model.dtype == torch.float32:
-            self.model, self.kv_dtype = bf16_kv_attention(bf16_matmuls(self.model))
         self.max_batch_tokens = max_batch_tokens  # plain generate: rows x (prompt + new tokens) per sub-batch
         self.reuse, self.cache = reuse_cache, {}  # dialogue -> (token ids, [(keys, values)] per layer)
         self.prompt_tokens = {"reused": 0, "run": 0}  # prompt tokens taken from a cache / run through the model
@@ -387,12 +260,13 @@ class HFSampler:
         Returns (new token ids of each row, ending with its end-of-turn token if it ended; with
         keep_cache, each row's KV cache [(keys, values) per layer] over its unpadded positions:
         prompt and new tokens but the last, which has not run; else Nones)."""
+        from transformers import DynamicCache
         torch, model, end = self.torch, self.model, self.end_tokens
         mask = attention_mask
         rows = list(range(input_ids.shape[0] if expand is None else len(expand)))  # the batch's rows
         new, kv = [[] for _ in rows], [None] * len(rows)
         ids = input_ids[:, cache.get_seq_length():] if cache is not None else input_ids  # a cache holds the first tokens
-        cache = cache if cache is not None else growing_cache(self.max_new_tokens, self.kv_dtype)
+        cache = cache if cache is not None else DynamicCache()
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
         with torch.no_grad():
             for step in range(self.max_new_tokens):
@@ -470,8 +344,9 @@ class HFSampler:
     def _prefix_cache(self, dialogues, reuse, Ls):
         """The batch's KV cache of generate_reusing: row i holds the first reuse[i] cached tokens of dialogue i,
         right-aligned after left padding, with room for Ls prompt and max_new_tokens new tokens."""
+        from transformers import DynamicCache
         B, Lc = len(dialogues), max(reuse)
-        cache = growing_cache(Ls + self.max_new_tokens, self.kv_dtype)
+        cache = DynamicCache()
         some = next(self.cache[d] for d, n in zip(dialogues, reuse) if n)[1]  # shapes
         for layer, (k0, v0) in enumerate(some):
             k = k0.new_zeros((B, k0.shape[1], Lc, k0.shape[3]))
@@ -577,10 +452,10 @@ class VLLMSampler(SeededRequests):
 
 def make_sampler(backend, model, temperature, top_p, max_new_tokens, seed, url="", workers=16,
                  gpu_memory_utilization=0.9, loaded=None, reuse_cache=False, max_model_len=8192,
-                 max_batch_tokens=65536, decode_dtype="auto"):
-    """The agent's sampler for backend hf | openai | vllm (decode_dtype: hf only)."""
+                 max_batch_tokens=65536):
+    """The agent's sampler for backend hf | openai | vllm."""
     if backend == "hf":
-        return HFSampler(model, temperature, top_p, max_new_tokens, loaded, reuse_cache, max_batch_tokens, decode_dtype)
+        return HFSampler(model, temperature, top_p, max_new_tokens, loaded, reuse_cache, max_batch_tokens)
     if backend == "openai":
         return OpenAISampler(model, temperature, top_p, max_new_tokens, seed, url, workers)
     return VLLMSampler(model, temperature, top_p, max_new_tokens, seed, gpu_memory_utilization, max_model_len)

@@ -42,7 +42,6 @@ from tqdm import tqdm
 
 import colbench
 import common
-import generate_tasks
 import models
 import render
 
@@ -63,8 +62,6 @@ class Args:
     """use the first N tasks (0 = all)"""
     samples: int = 1
     """dialogues per task (K)"""
-    first_sample: int = 0
-    """number the samples first_sample..first_sample+K-1 (to add dialogues from another agent to a file)"""
     temperature: float = 0.7
     """agent sampling temperature (0 = greedy)"""
     top_p: float = 0.9
@@ -99,13 +96,6 @@ class Args:
     """oracle backend: share of dialogues with a budget of fewer questions than facts, guessing the rest"""
     oracle_detour: float = 0.0
     """oracle backend: chance that a question is wasted (asks again about a revealed fact, or about nothing the facts cover)"""
-    oracle_stall: float = 0.0
-    """oracle backend: share of complete dialogues that, once every fact is known, never answer: they ask wasted
-    questions until the turns run out (a contrast for the critic: asking after the human has told everything)"""
-    decode_dtype: str = "auto"
-    """hf backend: auto (bf16 weights on a GPU, fp32 on a CPU) | bfloat16 (on a CPU: bf16 matmuls, fp32 weights,
-    a bf16 KV cache; ~0.7x a decoding step where the CPU has AVX512-BF16, models.bf16_matmuls, and ~0.8x again on
-    long dialogues, models.bf16_kv_attention) | float32"""
     reuse_cache: bool = True
     """hf backend: keep each dialogue's KV cache from turn to turn, so a turn runs only its new tokens; then all
     --batch_size dialogues decode as one batch (without it: in sub-batches of bounded size), and their caches
@@ -156,7 +146,7 @@ def guess_answer(task, known, rng):
 
 
 # Frontend (procedural pages with design facts): a question per fact, questions the facts never cover,
-# and the page itself (generate_tasks.design_page) with unheard facts guessed.
+# and the page itself (colbench.design_page) with unheard facts guessed.
 DESIGN_QUESTIONS = {"background": "Should the page background be white or dark?", "header": "What colour is the header?",
                     "boxes": "How many boxes go in the row?", "footer": "What colour is the footer?",
                     "title": "How should the title be aligned?"}
@@ -165,13 +155,11 @@ HTML_DETOURS = ["Do you want a contact form?", "Which font do you like?", "Shoul
 
 
 def oracle_decides(plan, facts, known, turn, args):
-    """(answer now, stall) of an oracle dialogue at this turn, both oracles' rule. Its plan (drawn from the dialogue's
-    own rng): with --oracle_hasty, a budget of fewer questions than facts; else, with --oracle_stall, whether it
-    never answers (drawn last, so with stall 0 every other draw is as without it). It answers once every fact is
-    known, its budget is spent or the turns are; a stalling dialogue asks a wasted question there instead."""
+    """Whether an oracle dialogue answers at this turn, both oracles' rule. Its plan (drawn from the dialogue's
+    own rng): with --oracle_hasty, a budget of fewer questions than facts. It answers once every fact is
+    known, its budget is spent or the turns are."""
     budget = plan.randrange(len(facts)) if plan.random() < args.oracle_hasty else None
-    stall = args.oracle_stall > 0 and budget is None and plan.random() < args.oracle_stall
-    return len(known) == len(facts) or (budget is not None and turn >= budget) or turn >= args.max_turns - 1, stall
+    return len(known) == len(facts) or (budget is not None and turn >= budget) or turn >= args.max_turns - 1
 
 
 def html_oracle_turn(task, dialogue, turn, plan, rng, args):
@@ -186,17 +174,16 @@ def html_oracle_turn(task, dialogue, turn, plan, rng, args):
     hidden = dict(filter(None, map(colbench.parse_design_fact, facts)))
     title = re.search(r"<header[^>]*>(.*?)</header>", task["ground_truth"], re.S).group(1).strip()
     guess = {k: plan.choice(colbench.DESIGN_FACTS[k][1]) for k in sorted(design)}  # one guess per fact, per dialogue
-    page = lambda: generate_tasks.design_page({k: v if k not in hidden or colbench.design_fact(k, v) in known else guess[k]
+    page = lambda: colbench.design_page({k: v if k not in hidden or colbench.design_fact(k, v) in known else guess[k]
                                                for k, v in design.items()}, title)
-    answer_now, stall = oracle_decides(plan, facts, known, turn, args)
+    answer_now = oracle_decides(plan, facts, known, turn, args)
     approved = dialogue[-1]["role"] == "user" and dialogue[-1]["content"].startswith("Yes, that is")
 
-    def wasted():  # asks again about a fact it has heard (or one a house style keeps), or about something no fact covers
+    def wasted():  # asks again about a fact it has heard, or about something no fact covers
         nothing_new = sorted(k for k, v in hidden.items() if colbench.design_fact(k, v) in known)
-        nothing_new += list(colbench.kept_design(task))
         return DESIGN_QUESTIONS[rng.choice(nothing_new)] if nothing_new and rng.random() < 0.5 else rng.choice(HTML_DETOURS)
     if answer_now or approved:
-        return wasted() if stall else f"{colbench.ANSWER_MARKER}\n{page()}"
+        return f"{colbench.ANSWER_MARKER}\n{page()}"
     if rng.random() < args.oracle_detour:
         return wasted()
     if rng.random() < 0.5:
@@ -212,9 +199,7 @@ class OracleAgent:
     guessed (guess_answer). With --oracle_detour q, each question is (with probability q) a wasted
     one: it asks again about a fact already revealed, or about something the facts never cover.
     A wasted question spends the budget too, so a hasty dialogue that detours learns fewer facts:
-    asking the wrong thing costs the outcome, the turn mistake SWEET-RL's critic must find. With
-    --oracle_stall s, a complete dialogue (with probability s) never answers: once every fact is known it
-    asks wasted questions until the turns run out, the opposite mistake (asking when nothing is left to ask).
+    asking the wrong thing costs the outcome, the turn mistake SWEET-RL's critic must find.
     Draws are seeded by (seed, task, sample, turn): reruns are identical."""
 
     def __init__(self, model, args):
@@ -234,8 +219,8 @@ class OracleAgent:
                 continue
             facts = colbench.hidden_facts(task)
             known = colbench.revealed_facts(task, ep["dialogue"])
-            answer_now, stall = oracle_decides(plan, facts, known, turn, a)
-            if stall and answer_now or not answer_now and self.rng(ep, turn).random() < a.oracle_detour:  # a wasted question
+            answer_now = oracle_decides(plan, facts, known, turn, a)
+            if not answer_now and self.rng(ep, turn).random() < a.oracle_detour:  # a wasted question
                 r, heard = self.rng(ep, turn, "q"), sorted(known)
                 outs.append(oracle_question(r.choice(heard)) if heard and r.random() < 0.5 else r.choice(DETOURS))
             elif answer_now:
@@ -265,7 +250,6 @@ def main(args):
                   args.batch_size < 1 and "--batch_size must be at least 1",
                   args.temperature < 0 and "--temperature must be >= 0", not 0 < args.top_p <= 1 and "--top_p must be in (0, 1]",
                   args.max_new_tokens < 1 and "--max_new_tokens must be at least 1",
-                  args.first_sample < 0 and "--first_sample must be >= 0",
                   bool(args.tasks) == bool(args.prefixes) and "give one of --tasks and --prefixes",
                   args.prefixes and args.agent_backend == "oracle" and "--prefixes: the oracle starts its dialogues itself")
     if args.agent_backend == "vllm":
@@ -284,7 +268,7 @@ def main(args):
     else:
         tasks = colbench.load_tasks(args.tasks, args.task_type)[: args.num_tasks or None]
         jobs = [(t, k, [{"role": "user", "content": t["problem_description"]}])
-                for t in tasks for k in range(args.first_sample, args.first_sample + args.samples)]
+                for t in tasks for k in range(args.samples)]
     jobs = jobs[shard::num_shards]
     templates = colbench.load_prompts(args.prompt_dir, args.task_type)  # None: ours
     out_path = common.sharded_path(args.output, shard, num_shards)
@@ -302,7 +286,7 @@ def main(args):
     agent = OracleAgent(args.agent_model, args) if args.agent_backend == "oracle" else models.make_sampler(
         args.agent_backend, args.agent_model, args.temperature, args.top_p, args.max_new_tokens, args.seed + shard,
         args.agent_url, args.batch_size, args.gpu_memory_utilization, reuse_cache=args.reuse_cache,
-        max_model_len=args.max_prompt_tokens + args.max_new_tokens, decode_dtype=args.decode_dtype)
+        max_model_len=args.max_prompt_tokens + args.max_new_tokens)
     max_chars = colbench.HUMAN_MAX_CHARS[args.task_type]
     pool = render.RenderPool(args.render_workers) if args.task_type == "html" else None
     targets = {}  # html: task_id -> the target page's render, once per task

@@ -15,21 +15,17 @@ The update (the paper, arXiv 2503.15478, Sec. 4), with logp = log pi(a|o) summed
     L = -log sigmoid(beta * [logp(a+) - logp_ref(a+)] - beta * [logp(a-) - logp_ref(a-)]) + nll_coef * NLL(a+)
 NLL(a+) is the mean per-token negative log-likelihood of the chosen turn. The actor never sees the
 training-time information c. Reference log-probs come from one pass of the initial model before
-training (pi_ref = the starting policy); the pairs of one state share its prompt, which runs once for
-all of their distinct turns (reference_logps_of_state).
+training (pi_ref = the starting policy); a turn-level pair's prompt runs once for both turns
+(common.shared_prompt_logprobs).
 
 Logged metrics (TRL's names): rewards/chosen = beta*(logp(a+)-logp_ref(a+)); rewards/rejected likewise;
 rewards/margins = chosen - rejected; rewards/accuracies = share of pairs with a positive margin;
 nll = NLL(a+); loss = the total loss; tokens_per_s = tokens forwarded per second (all ranks).
 
 Deviations from the paper / released code:
-1. Constant learning rate, no warm-up (the released recipe uses its framework's schedule).
+1. Constant learning rate, no warm-up, AdamW's default betas (released: cosine to 0.1x, 3% warm-up, betas 0.9/0.95).
 2. `trajectory` pairs (multi-turn DPO) are built like the critic's (colbench.trajectory_pairs).
 3. `--sft_on all` (ours) fine-tunes on every dialogue: the embedded warm-up on oracle dialogues.
-4. `--cross_kind decision` (ours; run.sh's html default, off for code): a pair that prefers asking to
-   answering says nothing about the rejected answer's page, yet the paper's loss pushes down every token
-   of it. With decision, such a pair counts only each turn's first line (docs/frontend.md, "Pairs of
-   different kinds").
 """
 from __future__ import annotations
 
@@ -67,8 +63,7 @@ class Args:
     lr: float = 2e-7
     """AdamW learning rate (paper: 2e-7 for 8B)"""
     epochs: float = 1
-    """passes over the data; a fraction ends the last pass early (run.sh's html default, 0.67: the end of a
-    whole pass drifted toward never answering, docs/frontend.md)"""
+    """passes over the data; a fraction ends the last pass early"""
     batch_size: int = 8
     """pairs (or trajectories) per optimizer step, over all ranks"""
     max_len: int = 16384
@@ -83,9 +78,6 @@ class Args:
     whole update is below half a bf16 step rounds back to its starting value)"""
     grad_ckpt: bool = False
     """activation checkpointing (less memory, ~30% slower)"""
-    shared_prompt: bool = True
-    """turn mode: run each pair's prompt once, both turns on its KV cache (off, or with --grad_ckpt:
-    prompt + turn twice, as TRL does; equal within 1e-4)"""
     save_every: int = 50
     """save the training state (model + optimizer) every N steps to OUTPUT_DIR/resume (0 = never)"""
     resume: bool = False
@@ -94,17 +86,9 @@ class Args:
     """sft mode: success (rejection fine-tuning: successful dialogues only) | all (every dialogue: the embedded warm-up)"""
     seed: int = 0
     """data order"""
-    pair_facts: bool = False
-    """trajectory mode, html on procedural pages: pairs ranked by design facts right, then similarity, as the
-    critic's with the same flag (train_critic.py)"""
-    cross_kind: str = "turn"
-    """turn mode, pairs whose two turns are of different kinds (question, draft, answer; colbench.turn_kind):
-    turn (the paper: every token of both turns) | decision (each turn's first line only, the tokens that
-    choose to ask, show or answer; the rest of the turn, a page say, is neither pushed up nor down)"""
     snapshots: int = 0
     """also save the policy at N evenly spaced steps before the last, to OUTPUT_DIR/step-K (run.sh rolls each
-    out on validation tasks and keeps the best, the starting policy included: docs/curriculum.md, "A policy update
-    that cannot wreck its start")"""
+    out on validation tasks and keeps the best, the starting policy included: docs/curriculum.md)"""
 
 
 def dpo_loss(logp_c, logp_r, ref_c, ref_r, beta):
@@ -119,25 +103,6 @@ def snapshot_schedule(num_steps, n):
     return sorted({round(num_steps * i / (n + 1)) for i in range(1, n + 1)} - {0, num_steps})
 
 
-def state_groups(examples):
-    """Examples in groups that share one tokenised prompt (the pairs of one labelled state), in order
-    of first appearance; an example without a shared prompt is a group of its own."""
-    groups = {}
-    for i, ex in enumerate(examples):
-        groups.setdefault(tuple(ex["shared"][0]) if "shared" in ex else i, []).append(ex)
-    return list(groups.values())
-
-
-def reference_logps_of_state(model, group):
-    """pi_ref's summed log-probs [(chosen, rejected)] of pairs that share a prompt: the prompt runs once
-    and every distinct turn of the group once, as one batch on its KV cache (a state's k pairs hold at
-    most 2k distinct turns). Equal to scoring each pair alone (tests check 1e-4)."""
-    turns = list(dict.fromkeys(tuple(t) for ex in group for t in ex["shared"][1]))
-    sums, _ = common.shared_prompt_logprobs(model, group[0]["shared"][0], [list(t) for t in turns])
-    logp = dict(zip(turns, sums.tolist()))
-    return [[logp[tuple(t)] for t in ex["shared"][1]] for ex in group]
-
-
 def build_examples(args):
     """Each example: {'chosen': turns, 'rejected': turns} (DPO) or {'chosen': turns} (sft)."""
     if args.mode == "turn":
@@ -146,13 +111,12 @@ def build_examples(args):
             for f in ("prompt", "chosen", "rejected"):
                 if not isinstance(r.get(f), str):
                     raise common.DataError(f"{args.pairs}:{line}: '{f}' must be a string (expected label_turns.py output)")
-        cut = lambda r: args.cross_kind == "decision" and colbench.turn_kind(r["chosen"]) != colbench.turn_kind(r["rejected"])
-        return [{"prompt": r["prompt"], "chosen": [(r["prompt"], r["chosen"])], "rejected": [(r["prompt"], r["rejected"])],
-                 "decision_only": cut(r)} for _, r in rows]
-    graded = colbench.load_graded(args.trajectories, facts=args.pair_facts)
+        return [{"prompt": r["prompt"], "chosen": [(r["prompt"], r["chosen"])], "rejected": [(r["prompt"], r["rejected"])]}
+                for _, r in rows]
+    graded = colbench.load_graded(args.trajectories)
     if args.mode == "trajectory":
         return [{"chosen": colbench.agent_turns(c), "rejected": colbench.agent_turns(r)}
-                for c, r in colbench.trajectory_pairs(graded, args.task_type, by_facts=args.pair_facts)]
+                for c, r in colbench.trajectory_pairs(graded, args.task_type)]
     if args.task_type == "html" and args.sft_on == "success" and not all("success" in r for r in graded):
         best = {}  # ColBench pages have no notion of success (procedural ones: exact design): each task's best sample
         for r in graded:
@@ -171,10 +135,6 @@ def main(args):
                   args.mode != "turn" and args.pairs and "--pairs is for --mode turn",
                   args.task_type not in ("code", "html") and f"--task_type {args.task_type}: choose code or html",
                   args.sft_on not in ("success", "all") and f"--sft_on {args.sft_on}: choose success or all",
-                  args.cross_kind not in ("turn", "decision") and f"--cross_kind {args.cross_kind}: choose turn or decision",
-                  args.cross_kind != "turn" and args.mode != "turn" and "--cross_kind is for --mode turn (pairs of turns)",
-                  args.pair_facts and (args.mode != "trajectory" or args.task_type != "html")
-                  and "--pair_facts is for --mode trajectory --task_type html",
                   args.beta <= 0 and "--beta must be positive", args.lr <= 0 and "--lr must be positive",
                   args.nll_coef < 0 and "--nll_coef must be >= 0", args.epochs <= 0 and "--epochs must be positive",
                   *models.precision_problems(args),
@@ -189,25 +149,15 @@ def main(args):
     if not examples:
         sys.exit(f"no training examples for --mode {args.mode} (no pairs / no successful trajectories)")
     if rank == 0:
-        cut = sum(ex.get("decision_only", False) for ex in examples)
-        print(f"{len(examples)} examples for --mode {args.mode}" + (f", {cut} of different kinds: first lines only" if cut else ""),
-              flush=True)
-    shared = args.mode == "turn" and args.shared_prompt and not args.grad_ckpt  # a KV cache needs no checkpointing
+        print(f"{len(examples)} examples for --mode {args.mode}", flush=True)
+    shared = args.mode == "turn" and not args.grad_ckpt  # the fast path needs a KV cache: no checkpointing
     for ex in examples:  # tokenise once
         if shared:  # (prompt ids, [chosen ids, rejected ids]): the prompt runs once per pair
             ex["shared"] = common.encode_shared(tok, "", ex["prompt"], [ex["chosen"][0][1], ex["rejected"][0][1]], args.max_len)
-            if ex.get("decision_only"):  # a causal model's first k log-probs do not depend on what follows
-                ex["shared"][1][:] = [ids[:common.first_line_tokens(tok, ex[side][0][1], len(ids))]
-                                      for ids, side in zip(ex["shared"][1], ("chosen", "rejected"))]
             continue
         for side in ("chosen", "rejected"):
             if side in ex:
                 ex[side + "_seqs"] = common.tokenize_turns(tok, ex[side], max_len=args.max_len)
-                if ex.get("decision_only"):  # cut after the turn's first line, as the one-pass path does
-                    ids, turn_of = ex[side + "_seqs"][-1]
-                    start = turn_of.index(0)
-                    k = common.first_line_tokens(tok, ex[side][0][1], len(ids) - start)
-                    del ids[start + k:], turn_of[start + k:]
     model = common.shard_model(models.load_model(args.model, device, args.grad_ckpt, torch.float32, args.train_layers),
                                world, device, models.compute_dtype(args.dtype, device))
 
@@ -225,14 +175,9 @@ def main(args):
         return logp_c, logp_r, n_c, sum(len(s[0]) for s in ex["chosen_seqs"] + ex["rejected_seqs"])
 
     if args.mode != "sft":  # pi_ref log-probs once, with the starting weights
-        def ref_fn(m, group):  # [(logp chosen, logp rejected)] of a group of examples
-            if "shared" not in group[0]:
-                return [[x.item() for x in pair_logps(m, group[0])[:2]]]
-            return reference_logps_of_state(m, group)
-        groups = state_groups(examples)
-        for group, results in zip(groups, common.precompute(model, groups, ref_fn, rank, world)):
-            for ex, (c, r) in zip(group, results):
-                ex["ref_chosen"], ex["ref_rejected"] = c, r
+        ref_fn = lambda m, ex: [x.item() for x in pair_logps(m, ex)[:2]]
+        for ex, (c, r) in zip(examples, common.precompute(model, examples, ref_fn, rank, world)):
+            ex["ref_chosen"], ex["ref_rejected"] = c, r
 
     def sft_loss(m, ex):
         """Rejection fine-tuning / warm-up: mean per-token NLL of the turns."""

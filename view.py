@@ -13,7 +13,7 @@ Writes: one HTML file. Each dialogue is a chat; with --critic every agent turn i
     python view.py --trajectories zero_shot=runs/default/test_zero_shot_graded.jsonl,sweet_rl=runs/default/test_sweet_rl_graded.jsonl \
         --states runs/default/pairs.jsonl.states.jsonl --critic runs/default/critic --output runs/default/report.html
 
-The advantage is train_critic.turn_advantage of the critic against its pi_ref (run_settings.json), on
+The advantage is train_critic.dialogue_advantages of the critic against its pi_ref (run_settings.json), on
 the same input the critic was trained on (c + o_t), so the colours are exactly what the critic learnt.
 
 Deviations: none (a teaching aid; no counterpart in the paper).
@@ -50,28 +50,16 @@ class Args:
 
 
 def turn_advantages(rows, critic_dir):
-    """Per agent turn of every row: the critic's advantage (train_critic.turn_advantage), in its units."""
+    """Per agent turn of every row: the critic's advantage (train_critic.dialogue_advantages), in its units."""
     import torch
-    from train_critic import training_info, turn_advantage
-    settings = json.loads((Path(critic_dir) / "run_settings.json").read_text())
-    ref_name = models.named_model(settings["model"], settings)  # pi_ref, a relative path read from where it trained
+    from train_critic import dialogue_advantages, load_critic
+    settings, ref_name = load_critic(critic_dir)
     device = models.local_device()  # a GPU when there is one: bf16 there (an 8B critic and pi_ref fit), fp32 on the CPU
     tok = models.load_tokenizer(ref_name)
-    top = settings.get("train_layers", 0)
-    critic, ref = (models.load_model(m, device, train_layers=top).eval() for m in (critic_dir, ref_name))
-    bottom = common.FrozenBottom.common_to([ref, critic], top)  # their shared frozen layers run once (train_critic --train_layers)
-    out = []
+    critic, ref = (models.load_model(m, device).eval() for m in (critic_dir, ref_name))
     with torch.no_grad():
-        for r in common.tqdm_if(rows, True, "advantages"):
-            turns = colbench.agent_turns(r)
-            seqs = common.tokenize_turns(tok, turns, training_info(r["task"], settings.get("no_training_info", False)),
-                                         settings.get("max_len"))
-            logp, count = common.turn_logprobs(critic, seqs, len(turns), bottom)
-            ref_logp, _ = common.turn_logprobs(ref, seqs, len(turns), bottom)
-            out.append(turn_advantage(logp, ref_logp, count, settings["beta"]).tolist())
-            if bottom is not None:
-                bottom.kept.clear()
-    return out
+        return [dialogue_advantages(critic, ref, tok, settings, r, settings.get("max_len")).tolist()
+                for r in common.tqdm_if(rows, True, "advantages")]
 
 
 def colour(adv, scale):

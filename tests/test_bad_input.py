@@ -56,8 +56,6 @@ def test_malformed_files_name_file_and_line(tmp_path):
     fails_with(colbench.load_graded, text_reward, match=r"g2.jsonl:1: 'reward' must be a number")
     no_inputs = write(tmp_path / "g3.jsonl", [dict(TRAJ, dialogue_history=[{"role": "assistant", "content": "x"}])])
     fails_with(colbench.load_graded, no_inputs, match=r"g3.jsonl:1: no assistant turn with stored 'input'")
-    fails_with(lambda path: colbench.load_graded(path, facts=True), write(tmp_path / "g4.jsonl", [TRAJ]),
-               match=r"g4.jsonl:1: no 'facts_right' \(pairs by design facts need procedural pages")
 
     pairs = write(tmp_path / "pairs.jsonl", [{"prompt": "p", "chosen": "a", "rejected": "b"},
                                              {"prompt": "p", "chosen": ["a"], "rejected": "b"}])
@@ -74,10 +72,6 @@ def test_settings_that_clash_are_refused_before_work(tmp_path):
                match="--resume: nothing to resume")
     fails_with(train_critic.main, train_critic.Args(trajectories=g, output_dir=o, heldout_fraction=1.0, lr=0),
                match=r"--lr must be positive\n.*--heldout_fraction")
-    fails_with(train_critic.main, train_critic.Args(trajectories=g, output_dir=o, pair_facts=True),
-               match="--pair_facts ranks html pages: use it with --task_type html")
-    fails_with(train_dpo.main, train_dpo.Args(output_dir=o, mode="sft", trajectories=g, pair_facts=True),
-               match="--pair_facts is for --mode trajectory --task_type html")
     fails_with(label_turns.main, label_turns.Args(trajectories=g, critic=o, output=o, num_candidates=1),
                match="--num_candidates must be at least 2")
     fails_with(label_turns.main, label_turns.Args(trajectories=g, critic=o, output=o), match="no run_settings.json")

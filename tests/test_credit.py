@@ -40,9 +40,9 @@ def test_turn_classes_follow_the_rules():
     assert colbench.turn_class(t, after, question, last_turn=True) == "bad"
 
 
-def oracle(hasty, detour, seed=0, stall=0.0):
+def oracle(hasty, detour, seed=0):
     return rollout.OracleAgent.__new__(rollout.OracleAgent), types.SimpleNamespace(
-        seed=seed, oracle_hasty=hasty, oracle_detour=detour, oracle_stall=stall, max_turns=10)
+        seed=seed, oracle_hasty=hasty, oracle_detour=detour, max_turns=10)
 
 
 def play(agent, t, sample):
@@ -87,35 +87,6 @@ def test_hasty_oracle_mix_is_seeded_and_guesses_fail():
     assert [play(agent, t, 0) for t in tasks] == mixed
 
 
-def test_stalling_oracle_asks_on_after_it_knows_everything():
-    """--oracle_stall: a complete dialogue that, told everything, never answers: every later turn is a wasted
-    question (class bad, where the answer would be good) until the turns run out. The dialogues it leaves
-    are the complete oracle's, and a stalling one is the complete one's up to its answer."""
-    tasks = [task(f, s) for f in sorted(generate_tasks.FAMILIES) for s in range(3)]
-    agent, agent.args = oracle(0.0, 0.0, stall=1.0)
-    for t in tasks:
-        ep = {"task": t, "sample": 0, "task_type": "code", "dialogue": [{"role": "user", "content": t["problem_description"]}]}
-        told = 0
-        for _ in range(agent.args.max_turns):
-            out = agent.generate([None], [ep])[0]
-            if colbench.knows_every_fact(t, ep["dialogue"]):
-                told += 1
-                assert colbench.turn_class(t, ep["dialogue"], out) == "bad"
-                assert colbench.turn_class(t, ep["dialogue"], f"{colbench.ANSWER_MARKER}\n{t['ground_truth']}") == "good"
-            ep["dialogue"] += [{"role": "assistant", "content": out},
-                               {"role": "user", "content": colbench.scripted_reply(t["hidden_information"], out)}]
-        assert told >= 5 and not any(colbench.ANSWER_MARKER in m["content"] for m in ep["dialogue"])  # it never answered
-    complete, half = oracle(0.0, 0.0), oracle(0.0, 0.0, stall=0.5)
-    complete[0].args, half[0].args = complete[1], half[1]
-    stalled = 0
-    for t in tasks[::2]:
-        for sample in range(2):
-            (d0, ok0), (d1, ok1) = play(complete[0], t, sample), play_until(half[0], t, sample, 10)
-            assert ok0 and (d1 == d0 or d1[:len(d0) - 1] == d0[:-1] and ok1 is None)
-            stalled += d1 != d0
-    assert 0 < stalled < len(tasks)
-
-
 def play_until(agent, t, sample, max_turns):
     """play(), for dialogues that may never answer: (dialogue, success or None when it did not answer)."""
     ep = {"task": t, "sample": sample, "task_type": "code", "dialogue": [{"role": "user", "content": t["problem_description"]}]}
@@ -126,24 +97,6 @@ def play_until(agent, t, sample, max_turns):
             return ep["dialogue"], sandbox.grade_code(t, colbench.extract_answer(out))["success"]
         ep["dialogue"].append({"role": "user", "content": colbench.scripted_reply(t["hidden_information"], out)})
     return ep["dialogue"], None
-
-
-def test_html_stalling_oracle():
-    """The html oracle with --oracle_stall: told every hidden fact, it asks a wasted question instead of answering,
-    also at the last turn; before that its turn is the complete oracle's, whose turns the option off leaves as they were."""
-    t = generate_tasks.procedural_page(random.Random(3))
-    t["task_id"] = colbench.task_id(t)
-    start = [{"role": "user", "content": t["problem_description"]}]
-    told = start + [{"role": "assistant", "content": "Tell me everything?"},
-                    {"role": "user", "content": " ".join(colbench.hidden_facts(t))}]
-    args = lambda stall: types.SimpleNamespace(oracle_hasty=0.0, oracle_detour=0.0, oracle_stall=stall, max_turns=10)
-    turn = lambda dialogue, n, stall: rollout.html_oracle_turn(t, dialogue, n, random.Random("plan"), random.Random(n), args(stall))
-    assert turn(told, 1, 0.0).startswith(colbench.ANSWER_MARKER)
-    wasted = set(rollout.HTML_DETOURS) | set(rollout.DESIGN_QUESTIONS.values())
-    for n in (1, 9):  # told everything, or the last turn
-        out = turn(told if n == 1 else start, n, 1.0)
-        assert out in wasted and colbench.ANSWER_MARKER not in out
-    assert turn(start, 0, 1.0) == turn(start, 0, 0.0) and colbench.ANSWER_MARKER not in turn(start, 0, 0.0)
 
 
 def test_credit_accuracy_counts_ties_half():
@@ -171,35 +124,6 @@ def test_kind_order_is_the_best_state_blind_ranking_of_turn_kinds():
     assert credit.kind_order([{"candidates": ["x"]}]) is None
 
 
-def test_answer_over_asking_splits_states_where_every_fact_was_told():
-    """credit.answer_over_asking: answer against question-or-draft candidates only, ties half, split by told_all."""
-    answer = f"{colbench.ANSWER_MARKER} <html><body>a</body></html>"
-    draft = "Here is a draft: <html><body>b</body></html>"
-    states = [{"candidates": [answer, "Which colour?", draft], "told_all": True,
-               "advantages_by_critic": {"c": [0.5, 0.1, 0.5]}},  # above the question, tied with the draft
-              {"candidates": ["Which colour?", answer, answer], "told_all": False,
-               "advantages_by_critic": {"c": [0.3, 0.1, 0.4]}},  # one answer below the question, one above
-              {"candidates": ["Ask a?", "Ask b?"], "told_all": True, "advantages_by_critic": {"c": [0.0, 1.0]}},  # no answer
-              {"candidates": [answer, "Ask?"], "advantages_by_critic": {"c": [1.0, 0.0]}}]  # stored before told_all
-    assert credit.answer_over_asking(states, "c") == {"told_all": [0.75, 2], "not_yet": [0.5, 2]}
-    assert credit.answer_over_asking(states, "other") == {}
-
-
-def test_credit_ranks_as_labelling_ranked_by_decisions():
-    """With first-line decisions (label_turns --cross_kind decision) the diagnostics judge the order labelling used:
-    the decision first, the whole turn within one decision; a critic without decisions keeps its whole-turn order."""
-    answer = f"{colbench.ANSWER_MARKER}\n<html><body>a</body></html>"
-    state = {"candidates": ["Which colour?", answer, answer + " "], "classes": ["good", "bad", "good"], "told_all": False,
-             "advantages_by_critic": {"c": [0.1, 0.9, 0.2], "n": [0.1, 0.9, 0.2]},
-             "decisions_by_critic": {"c": [0.5, -0.3, -0.3]}}
-    assert credit.rank_keys(state, "c") == [(0.5, 0.1), (-0.3, 0.9), (-0.3, 0.2)] and credit.rank_keys(state, "x") is None
-    # c: the question above both answers (right once, over the bad one; wrong once, over the good one)
-    assert credit.credit_accuracy([state], "c") == (0.5, 2)
-    assert credit.credit_accuracy([state], "n") == (0.0, 2)  # whole turns: the bad answer above both good turns
-    assert credit.answer_over_asking([state], "c") == {"not_yet": [0.0, 2]}
-    assert credit.answer_over_asking([state], "n") == {"not_yet": [1.0, 2]}
-
-
 def test_dpo_pair_classes_judge_each_pair_by_its_state():
     key = {"task_id": "t", "sample": 0}
     states = [{**key, "turn": 0, "candidates": ["ask x", "answer", "ask y"], "classes": ["good", "bad", "bad"]},
@@ -212,26 +136,6 @@ def test_dpo_pair_classes_judge_each_pair_by_its_state():
     assert credit.dpo_pair_classes(states, pairs) == {"right": 1, "wrong": 1, "same_class": 1}
 
 
-def test_dpo_pair_kinds_say_which_way_the_update_pushes():
-    """credit.dpo_pair_kinds names each pair by its turns' kinds and true classes; answer_balance counts the
-    pairs that choose an answer over asking or drafting against the reverse."""
-    key = {"task_id": "t", "sample": 0}
-    answer, draft = f"{colbench.ANSWER_MARKER} <html><body>a</body></html>", "Here: <html><body>b</body></html>"
-    states = [{**key, "turn": 0, "candidates": ["ask x", answer, "ask y", draft], "classes": ["good", "bad", "bad", "good"]},
-              {**key, "turn": 1, "candidates": ["ask z", answer]}]  # no classes: kinds alone
-    pairs = [{**key, "turn": 0, "chosen": answer, "rejected": "ask y"},   # a wrong answer over a wasted question
-             {**key, "turn": 0, "chosen": answer, "rejected": "ask y"},
-             {**key, "turn": 0, "chosen": "ask x", "rejected": answer},
-             {**key, "turn": 0, "chosen": draft, "rejected": "ask y"},
-             {**key, "turn": 1, "chosen": answer, "rejected": "ask z"}]
-    kinds = credit.dpo_pair_kinds(states, pairs)
-    assert kinds == {"bad answer > bad question": 2, "answer > question": 1, "good draft > bad question": 1,
-                     "good question > bad answer": 1}
-    assert list(kinds)[0] == "bad answer > bad question"  # commonest first
-    assert credit.answer_balance(kinds) == (3, 1)
-    assert credit.answer_balance({"good draft > bad question": 4, "bad answer > good answer": 2}) == (0, 0)
-
-
 def test_trajectory_pairs_rules():
     row = lambda t, s, r: {"task_id": t, "sample": s, "reward": r, "success": r == 1.0}
     rows = [row("a", 0, 1.0), row("a", 1, 0.5), row("a", 2, 1.0), row("a", 3, 0.0),  # best succeeds: pairs with lower ones
@@ -241,60 +145,6 @@ def test_trajectory_pairs_rules():
     assert [(c["task_id"], c["sample"], r["sample"]) for c, r in pairs] == [("a", 0, 1), ("a", 0, 3)]  # ties never pair
     html = colbench.trajectory_pairs([row("h", 0, 0.8), row("h", 1, 0.75), row("h", 2, 0.6), row("h", 3, 0.2)], "html")
     assert [(c["sample"], r["sample"]) for c, r in html] == [(0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]  # gap >= 0.1, not 0.05
-
-
-def test_trajectory_pairs_by_facts():
-    row = lambda s, facts, r: {"task_id": "h", "sample": s, "reward": r, "facts_right": facts, "exact_design": facts == 5}
-    rows = [row(0, 5, 0.70), row(1, 4, 0.95), row(2, 4, 0.90), row(3, 4, 0.78), row(4, 2, 0.99)]
-    names = lambda pairs: sorted((c["sample"], r["sample"]) for c, r in pairs)
-    # by similarity, as released: the exact design 0 is rejected by three pages with facts wrong, 4 with three wrong
-    assert names(colbench.trajectory_pairs(rows, "html")) == [(1, 0), (1, 3), (2, 0), (2, 3), (4, 0), (4, 3)]
-    # by facts: more facts right is chosen whatever the similarities; as many right pair by the 0.1 gap (1 over 3, not 2)
-    assert names(colbench.trajectory_pairs(rows, "html", by_facts=True)) == [(0, 1), (0, 2), (0, 3), (0, 4), (1, 3), (1, 4),
-                                                                             (2, 3), (2, 4), (3, 4)]
-
-
-def test_trajectory_pairs_fewer_turns():
-    def row(t, s, r, turns, win):
-        return {"task_id": t, "sample": s, "reward": r, "success": win, "exact_design": win,
-                "dialogue_history": [{"role": "user", "content": "q"}] + [{"role": "assistant", "content": "a"},
-                                                                           {"role": "user", "content": "h"}] * turns}
-    code = [row("a", 0, 1.0, 3, True), row("a", 1, 1.0, 1, True), row("a", 2, 1.0, 1, True), row("a", 3, 0.0, 1, False)]
-    names = lambda pairs: sorted((c["sample"], r["sample"]) for c, r in pairs)
-    assert names(colbench.trajectory_pairs(code, "code")) == [(0, 3)]  # two successes never pair as released
-    # the shorter success over the longer one; equal lengths, and a failure however short, never
-    assert names(colbench.trajectory_pairs(code, "code", fewer_turns=True)) == [(0, 3), (1, 0), (2, 0)]
-    html = [row("h", 0, 0.99, 4, True), row("h", 1, 0.97, 2, True), row("h", 2, 0.80, 1, False), row("h", 3, 0.85, 3, True)]
-    base = names(colbench.trajectory_pairs(html, "html"))
-    assert base == [(0, 2), (0, 3), (1, 2), (1, 3), (3, 2)]  # a gap of 0.1, or an exact design over a lower non-exact one
-    # the exact designs 0 (4 turns) and 1 (2 turns) were not paired: 1 is chosen; 3 (3 turns) against 0 was
-    # paired the other way by similarity and stays so, once
-    assert names(colbench.trajectory_pairs(html, "html", fewer_turns=True)) == sorted(base + [(1, 0)])
-
-
-def test_trajectory_pairs_shortcuts():
-    def row(s, turns, win, answered=True):
-        d = [{"role": "user", "content": "make a page"}]
-        for t in range(1, turns + 1):
-            out = f"I WANT TO ANSWER: page {s}" if answered and t == turns else f"ask {s}.{t}"
-            d += [{"role": "assistant", "content": out, "input": f"prompt {s}.{t}", "output": out}]
-            d += [{"role": "user", "content": f"reply {s}.{t}"}] if t < turns else []
-        return {"task_id": "h", "sample": s, "reward": 1.0 if win else 0.3, "success": win, "exact_design": win,
-                "facts_right": 3 if win else 1, "dialogue_history": d, "finish": "answered" if answered else "max_turns"}
-    rows = [row(0, 4, True), row(1, 1, True), row(2, 3, False), row(3, 3, True, answered=False)]
-    base = colbench.trajectory_pairs(rows, "html", by_facts=True)
-    added = colbench.trajectory_pairs(rows, "html", by_facts=True, shortcuts=2)[len(base):]
-    # only the success that answered after several turns gets copies (not the one-turn success, the failure,
-    # nor the success whose last turn the turn cap made its answer); one and two turns sooner, each chosen
-    assert [(c["num_turns"], r["sample"], r["num_turns"] if "num_turns" in r else 4) for c, r in added] == [(3, 0, 4), (2, 0, 4)]
-    sooner = added[1][0]
-    assert colbench.agent_turns(sooner) == [("prompt 0.1", "ask 0.1"), ("prompt 0.2", "I WANT TO ANSWER: page 0")]
-    assert [m["content"] for m in sooner["dialogue_history"]] == ["make a page", "ask 0.1", "reply 0.1", "I WANT TO ANSWER: page 0"]
-    assert (sooner["reward"], sooner["facts_right"], sooner["shortcut_of"]) == (1.0, 3, 4)
-    assert len(colbench.agent_turns(rows[0])) == 4  # the original is left as it was
-    assert len(colbench.trajectory_pairs(rows, "html", by_facts=True, shortcuts=9)) == len(base) + 3  # at most turns - 1
-    code = [dict(r, reward=1.0 if r["success"] else 0.0) for r in rows]
-    assert len(colbench.trajectory_pairs(code, "code", shortcuts=1)) == len(colbench.trajectory_pairs(code, "code")) + 1
 
 
 def test_compare_reports_bootstrap_and_paired_intervals(tmp_path):
@@ -324,6 +174,9 @@ def test_compare_reports_bootstrap_and_paired_intervals(tmp_path):
     assert s["ci95"] == [1.0, 1.0]
     d = res["paired_vs_zero_shot"]["sweet_rl"]
     assert d["diff"] == 0.5 and 0.3 < d["ci95"][0] < 0.5 < d["ci95"][1] < 0.7
+    # every method against every other, with the same fields: here the other way round
+    back = res["paired_vs_sweet_rl"]["zero_shot"]
+    assert back["diff"] == -0.5 and back["ci95"][0] < -0.5 < back["ci95"][1] < -0.3
     lo, hi = evaluate.bootstrap_ci([0.0] * 10 + [1.0] * 10, 4000)  # +-1.96 * sqrt(.25 / 20) = +-0.22
     assert lo == pytest.approx(0.28, abs=0.05) and hi == pytest.approx(0.72, abs=0.05)
 
@@ -347,27 +200,6 @@ def test_select_keeps_the_best_and_the_earliest_of_a_tie(tmp_path):
                    "--policies", ",".join(f"{n}=dir_{n}" for n in names), "--summary", tmp_path / "sel.json", "--bootstrap", "100")
         res = json.loads((tmp_path / "sel.json").read_text())
         assert (res["selected"], res["selected_policy"]) == (chosen, f"dir_{chosen}")
-
-
-def test_select_significant_keeps_the_start_unless_the_gain_is_clear(tmp_path):
-    """--select --select_significant (run.sh's SELECT_SIGNIFICANT=1): a snapshot is picked only when its paired 95% interval
-    against the first run is above 0; the best such one wins, and with none the first run is kept."""
-    graded = lambda name, successes: graded_code_rows(tmp_path / f"{name}.jsonl", successes)
-    start = graded("s", [0] * 20)
-    noisy = graded("n", [1, 1, 1] + [0] * 17)   # +0.15, the highest mean below: its interval reaches 0
-    clear = graded("c", [1] * 10 + [0] * 10)     # +0.50 everywhere it is resampled
-    best = graded("b", [1] * 12 + [0] * 8)       # +0.60
-    for runs, significant, chosen in (((start, noisy), False, "b"), ((start, noisy), True, "a"),
-                                      ((start, noisy, clear), True, "c"), ((start, clear, best), True, "c")):
-        names = "abc"[:len(runs)]
-        out = run_script("evaluate.py", "--compare", ",".join(f"{n}={p}" for n, p in zip(names, runs)), "--select",
-                         *(["--select_significant"] if significant else []), "--bootstrap", "2000",
-                         "--policies", ",".join(f"{n}=dir_{n}" for n in names), "--summary", tmp_path / "sel.json")
-        res = json.loads((tmp_path / "sel.json").read_text())
-        lower = {n: p["ci95"][0] for n, p in res["paired_vs_a"].items()}
-        assert (res["selected"], res["selected_policy"]) == (chosen, f"dir_{chosen}"), (runs, lower)
-        if significant and lower["b"] <= 0:
-            assert "not selectable (paired 95% interval against a not above 0): b" in out.stdout
 
 
 def test_dialogue_outcome_splits_informed_hasty_and_unanswered():

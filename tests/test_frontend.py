@@ -169,22 +169,6 @@ def test_html_rollout_and_evaluation_end_to_end(tiny_model, simulator_url, tmp_p
     oracle, tiny = (json.loads((tmp_path / f).read_text()) for f in ("os.json", "rs.json"))
     assert oracle["similarity"] == pytest.approx(1.0) and oracle["metric"] == "pixel_hist_v1"
     assert oracle["exact_design"] == 1.0 and oracle["mean_turns"] > 1  # it asked or showed drafts before answering
-    assert oracle["known_fact_errors"] == 0.0 and all(r["known_fact_errors"] == [] and r["facts_right"] == len(colbench.design_of(r["task"]))
-                                                      for r in read_jsonl(tmp_path / "og.jsonl"))
-    # an answer that breaks a fact the agent heard (and one it never heard): only the heard one is an informed error
-    task = read_jsonl(tmp_path / "t.jsonl")[0]
-    heard, unheard = (colbench.parse_design_fact(f) for f in colbench.hidden_facts(task)[:2])
-    flip = lambda key, v: next(x for x in colbench.DESIGN_FACTS[key][1] if x != v)
-    page = generate_tasks.design_page(dict(colbench.design_of(task), **{heard[0]: flip(*heard), unheard[0]: flip(*unheard)}), "Shop")
-    dialogue = [{"role": "user", "content": task["problem_description"]}, {"role": "assistant", "content": "?"},
-                {"role": "user", "content": colbench.design_fact(*heard)},
-                {"role": "assistant", "content": f"{colbench.ANSWER_MARKER}\n{page}"}]
-    (tmp_path / "w.jsonl").write_text(json.dumps({"task": task, "dialogue_history": dialogue, "answer": page}) + "\n")
-    run_script("evaluate.py", "--task_type", "html", "--input", tmp_path / "w.jsonl", "--output", tmp_path / "wg.jsonl",
-               "--summary", tmp_path / "ws.json")
-    wrong = read_jsonl(tmp_path / "wg.jsonl")[0]
-    assert wrong["known_fact_errors"] == [heard[0]] and wrong["facts_right"] == len(colbench.design_of(task)) - 2
-    assert json.loads((tmp_path / "ws.json").read_text())["known_fact_errors"] == 1.0
     assert tiny["similarity"] < 1.0 and tiny["win_rate"] == 0.0  # the random model never beats the target itself
     assert all(r["metric"] == "pixel_hist_v1" for r in read_jsonl(tmp_path / "rg.jsonl"))
     again = run_script("evaluate.py", "--task_type", "html", "--input", tmp_path / "r.jsonl", "--output", tmp_path / "rg.jsonl",
@@ -200,15 +184,15 @@ def test_design_facts_are_read_from_pixels(renderer):
     rng = random.Random(11)
     for _ in range(8):
         design = {k: rng.choice(v) for k, (_, v) in colbench.DESIGN_FACTS.items()}
-        assert render.design_features(renderer.render(generate_tasks.design_page(design, "Bike Shop"))[0]) == design
+        assert render.design_features(renderer.render(colbench.design_page(design, "Bike Shop"))[0]) == design
         key = rng.choice(sorted(design))
         other = dict(design, **{key: next(v for v in colbench.DESIGN_FACTS[key][1] if v != design[key])})
-        features = render.design_features(renderer.render(generate_tasks.design_page(other, "Bike Shop"))[0])
+        features = render.design_features(renderer.render(colbench.design_page(other, "Bike Shop"))[0])
         assert colbench.design_mismatches(design, features) == [key]
         hidden = "\n".join(colbench.design_fact(k, design[k]) for k in design)
         assert colbench.draft_reply(hidden, features) == f"Not quite. {colbench.design_fact(key, design[key])}"
     assert colbench.draft_reply(hidden, render.design_features(
-        renderer.render(generate_tasks.design_page(design, "Bike Shop"))[0])).startswith("Yes, that is")
+        renderer.render(colbench.design_page(design, "Bike Shop"))[0])).startswith("Yes, that is")
     blank = render.design_features(renderer.render("<body></body>")[0])
     assert blank == {"background": "white", "header": None, "boxes": None, "footer": None, "title": None}
 
@@ -219,7 +203,7 @@ def test_html_human_reveals_one_fact_at_a_time(renderer):
     task = {"problem_description": "A page for my gym: a header, boxes and a footer. The footer is gray. "
                                    "There are 3 boxes in a row.", "hidden_information": "The page background is dark.\n"
             "The header is green.\nThe title is aligned to the right.",
-            "ground_truth": "<html>" + generate_tasks.design_page(
+            "ground_truth": "<html>" + colbench.design_page(
                 {"background": "dark", "header": "green", "boxes": "3", "footer": "gray", "title": "right"}, "Gym") + "</html>"}
     human = simulator.ScriptedBackend()
     target = renderer.render(task["ground_truth"])[0]
@@ -229,27 +213,17 @@ def test_html_human_reveals_one_fact_at_a_time(renderer):
     assert ask("What colour is the header?") == "The header is green."
     assert ask("How should the title be aligned?") == "The title is aligned to the right."
     assert ask("Do you want a contact form?") == "I don't know, sorry."
-    draft = generate_tasks.design_page({"background": "white", "header": "red", "boxes": "3", "footer": "gray",
+    draft = colbench.design_page({"background": "white", "header": "red", "boxes": "3", "footer": "gray",
                                         "title": "left"}, "Gym")
     assert ask(f"Here is a draft. {draft}", renderer.render(draft)[0]) == "Not quite. The page background is dark."
     # a draft right on every hidden fact but against the request (3 boxes) is not approved: the human names
     # the stated fact it breaks (nothing new), and approves the page once it matches
-    draft = generate_tasks.design_page({"background": "dark", "header": "green", "boxes": "2", "footer": "gray",
+    draft = colbench.design_page({"background": "dark", "header": "green", "boxes": "2", "footer": "gray",
                                         "title": "right"}, "Gym")
     assert ask(f"Here is a draft. {draft}", renderer.render(draft)[0]) == "Not quite. There are 3 boxes in a row."
-    draft = generate_tasks.design_page({"background": "dark", "header": "green", "boxes": "3", "footer": "gray",
+    draft = colbench.design_page({"background": "dark", "header": "green", "boxes": "3", "footer": "gray",
                                         "title": "right"}, "Gym")
     assert ask(f"Here is a draft. {draft}", renderer.render(draft)[0]) == "Yes, that is what I have in mind."
-
-
-def test_known_design():
-    """The facts an agent has been told: those its request states, and the hidden lines the human has said."""
-    task = {"problem_description": "A page for my gym. The footer is gray. There are 3 boxes in a row.",
-            "hidden_information": "The page background is dark.\nThe header is green."}
-    dialogue = [{"role": "user", "content": task["problem_description"]}, {"role": "assistant", "content": "Header colour?"},
-                {"role": "user", "content": "The header is green."}]
-    assert colbench.known_design(task, dialogue[:1]) == {"footer": "gray", "boxes": "3"}
-    assert colbench.known_design(task, dialogue) == {"footer": "gray", "boxes": "3", "header": "green"}
 
 
 def test_html_turn_classes():
@@ -258,9 +232,9 @@ def test_html_turn_classes():
     design = {"background": "dark", "header": "green", "boxes": "3", "footer": "gray", "title": "right"}
     task = {"problem_description": "A page. The footer is gray. There are 3 boxes in a row.",
             "hidden_information": "The page background is dark.\nThe header is green.\nThe title is aligned to the right."}
-    feats = {generate_tasks.design_page(design, "Gym"): design,
-             generate_tasks.design_page(dict(design, header="red"), "Gym"): dict(design, header="red"),
-             generate_tasks.design_page(dict(design, title="left"), "Gym"): dict(design, title="left")}
+    feats = {colbench.design_page(design, "Gym"): design,
+             colbench.design_page(dict(design, header="red"), "Gym"): dict(design, header="red"),
+             colbench.design_page(dict(design, title="left"), "Gym"): dict(design, title="left")}
     cls = lambda turn, dialogue=(): colbench.design_turn_class(task, [{"role": "user", "content": "hi"}, *dialogue],
                                                                turn, False, feats.__getitem__)
     right, red, left = feats
@@ -270,11 +244,11 @@ def test_html_turn_classes():
     assert cls(f"Draft: {red}") == "good" and cls(f"Draft: {red}", heard) == "bad"  # names the header, known by then
     assert cls(f"Draft: {right}") == "bad"  # nothing left to reveal: the human approves it
     # a wrong hidden fact is named before a broken request (a red footer, the title wrong too): it reveals
-    off = generate_tasks.design_page(dict(design, footer="red", title="left"), "Gym")
+    off = colbench.design_page(dict(design, footer="red", title="left"), "Gym")
     feats[off] = dict(design, footer="red", title="left")
     assert cls(f"Draft: {off}") == "good" and cls(f"I WANT TO ANSWER: {off}") == "bad"
     # a draft right on every hidden fact that breaks the request hears the stated fact: nothing new
-    off = generate_tasks.design_page(dict(design, footer="red"), "Gym")
+    off = colbench.design_page(dict(design, footer="red"), "Gym")
     feats[off] = dict(design, footer="red")
     assert cls(f"Draft: {off}") == "bad" and cls(f"I WANT TO ANSWER: {off}") == "bad"
     assert cls(f"I WANT TO ANSWER: {right}") == "good" and cls(f"I WANT TO ANSWER: {left}") == "bad"
@@ -282,52 +256,10 @@ def test_html_turn_classes():
     assert colbench.design_turn_class(task, [], right, True, feats.__getitem__) == "good"  # the last turn is the answer
 
 
-def test_house_style_pages_hide_changes_the_request_does_not_name(tmp_path):
-    """--house_style: the request states the house style and some changes; the hidden lines are other changes
-    and 1-3 facts keep the house style unstated, so the request does not tell which unstated facts are hidden.
-    The human and the turn classes read the hidden lines over the house style."""
-    hidden_of_unstated = []
-    for t in [generate_tasks.procedural_page(random.Random(s), house_style=True) for s in range(60)]:
-        hidden, request, design = colbench.design_in(t["hidden_information"]), colbench.request_design(t), colbench.design_of(t)
-        assert 2 <= len(hidden) <= 3 and len(design) == 5 and set(hidden) | set(request) == set(design)
-        assert all(colbench.HOUSE_STYLE[k] != v for k, v in hidden.items()) and not set(hidden) & set(request)
-        kept = [k for k, v in request.items() if colbench.HOUSE_STYLE[k] == v]
-        assert kept
-        assert all(v != colbench.HOUSE_STYLE[k] for k, v in colbench.design_in(
-            t["problem_description"].split(colbench.HOUSE_CHANGES)[-1]).items() if colbench.HOUSE_CHANGES in t["problem_description"])
-        hidden_of_unstated.append(len(hidden) / (len(hidden) + len(kept)))
-    assert 0.3 < sum(hidden_of_unstated) / len(hidden_of_unstated) < 0.8  # a guess from the request, not a certainty
-    # one page by hand: house style kept for the boxes and the title, the background and header hidden
-    house = colbench.HOUSE_STYLE
-    task = {"problem_description": "A page. " + " ".join([colbench.HOUSE_INTRO, *(colbench.design_fact(k, v) for k, v in
-                                                          house.items()), colbench.HOUSE_CHANGES, "The footer is red."]),
-            "hidden_information": "The page background is dark.\nThe header is green."}
-    assert colbench.design_of(task) == dict(house, background="dark", header="green", footer="red")
-    assert colbench.request_design(task) == {"boxes": "3", "footer": "red", "title": "left"}
-    assert colbench.known_design(task, [{"role": "user", "content": "hi"}]) == colbench.request_design(task)
-    assert colbench.kept_design(task) == {"boxes": "3", "title": "left"}  # the stated change is not kept
-    assert colbench.kept_design(dict(task, problem_description="A page. The footer is red.")) == {}
-    design = colbench.design_of(task)
-    assert colbench.draft_reply(task["hidden_information"], dict(design, header="gray"),
-                                colbench.design_in(task["problem_description"])) == "Not quite. The header is green."
-    assert colbench.draft_reply(task["hidden_information"], design, colbench.design_in(task["problem_description"])) \
-        == "Yes, that is what I have in mind."  # the house style's white background, changed by a hidden line, is not asked for
-    feats = lambda html: design  # every page here renders the design (the browser path is tested above)
-    page = generate_tasks.design_page(design, "Gym")
-    hi = [{"role": "user", "content": "hi"}]
-    assert colbench.design_turn_class(task, hi, "What colour is the header?", False, feats) == "good"
-    assert colbench.design_turn_class(task, hi, "How many boxes go in the row?", False, feats) == "bad"  # kept: nothing hidden
-    assert colbench.design_turn_class(task, hi, f"I WANT TO ANSWER: {page}", False, feats) == "good"
-    run_script("generate_tasks.py", "--task_type", "html", "--num_tasks", "3", "--seed", "3", "--house_style",
-               "--output", tmp_path / "t.jsonl")
-    assert all(colbench.HOUSE_INTRO in t["problem_description"] for t in read_jsonl(tmp_path / "t.jsonl"))
-
-
 def test_compare_reports_html_similarity_win_rate_and_exact_design(tmp_path, capsys):
     rows = lambda rewards, exact: "".join(json.dumps({"task": {"problem_description": "p", "ground_truth": "g"}, "task_id": f"t{i}",
                                                      "sample": 0, "reward": r, "metric": "pixel_hist_v1", "success": e,
-                                                     "exact_design": e, "dialogue_history": [], "answer": "" if r < 0.25 else "<p>",
-                                                     "known_fact_errors": [] if e or r > 0.5 else ["background"]}) + "\n"
+                                                     "exact_design": e, "dialogue_history": [], "answer": "" if r < 0.25 else "<p>"}) + "\n"
                                           for i, (r, e) in enumerate(zip(rewards, exact)))
     (tmp_path / "a.jsonl").write_text(rows([0.5, 0.8, 0.9, 0.3], [False, False, True, False]))
     (tmp_path / "b.jsonl").write_text(rows([0.9, 0.8, 1.0, 0.2], [True, False, True, False]))
@@ -340,17 +272,10 @@ def test_compare_reports_html_similarity_win_rate_and_exact_design(tmp_path, cap
     assert p["diff"] == pytest.approx(0.1) and p["win_rate"] == pytest.approx((1 + 0.5 + 1 + 0) / 4)
     assert p["win_rate_ci95"][0] <= p["win_rate"] <= p["win_rate_ci95"][1] and p["ci95"][0] <= p["diff"] <= p["ci95"][1]
     assert p["exact_design_diff"] == pytest.approx(0.25) and p["exact_design_ci95"] == [0.0, 0.75]  # one task of 4 gained
-    assert (p["won"], p["tied"], p["lost"], p["won_by_under_005"], p["lost_by_under_005"]) == (2, 1, 1, 0, 0)
-    assert z["known_fact_errors"] == 0.5 and s["known_fact_errors"] == 0.25  # answers breaking a fact they were told
-    assert z["known_fact_errors_by_fact"] == {"background": 2, "header": 0, "boxes": 0, "footer": 0, "title": 0}
+    assert (p["won"], p["tied"], p["lost"]) == (2, 1, 1)
     out = capsys.readouterr().out
-    assert "(background/header/boxes/footer/title): zero_shot 50.0% (2/0/0/0/0), sweet_rl 25.0% (1/0/0/0/0)" in out
     # a dialogue with no page to grade (sweet_rl's 0.2: it never showed one) is counted
     assert (z["no_page"], s["no_page"]) == (0, 1) and "dialogues with no page to grade: zero_shot 0, sweet_rl 1" in out
-    (tmp_path / "d.jsonl").write_text(rows([0.52, 0.8, 0.88, 0.3], [False] * 4))  # near-ties: +0.02 and -0.02
-    near = evaluate.main(common.parse_args(evaluate.Args, argv=["--compare", f"zero_shot={tmp_path / 'a.jsonl'},"
-                                                                 f"near={tmp_path / 'd.jsonl'}"]))["paired_vs_zero_shot"]["near"]
-    assert (near["won"], near["tied"], near["lost"], near["won_by_under_005"], near["lost_by_under_005"]) == (1, 2, 1, 1, 1)
     (tmp_path / "c.jsonl").write_text(rows([0.5], [False]).replace("pixel_hist_v1", "clip:x"))
     with pytest.raises(common.DataError, match="not comparable"):
         evaluate.main(common.parse_args(evaluate.Args, argv=["--compare", f"a={tmp_path / 'a.jsonl'},c={tmp_path / 'c.jsonl'}"]))

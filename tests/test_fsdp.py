@@ -43,17 +43,13 @@ def kill_tree(pid):
 
 @pytest.mark.parametrize("script,extra", [
     ("train_critic.py", ["--epochs", "2", "--heldout_fraction", "0"]),
-    # the top layer alone: one process keeps the frozen layer's output (FrozenBottom), two run it every step
+    # the top layer alone
     ("train_critic.py", ["--epochs", "2", "--heldout_fraction", "0", "--train_layers", "1"]),
-    # a micro-batch per task (--group_by_task): each rank takes a contiguous share of the batch
-    ("train_critic.py", ["--epochs", "2", "--heldout_fraction", "0", "--group_by_task"]),
-    # each turn's first line a term of its own (--decision_terms; answers of two lines)
-    ("train_critic.py", ["--epochs", "2", "--heldout_fraction", "0", "--group_by_task", "--decision_terms"]),
     ("train_dpo.py", ["--mode", "trajectory", "--epochs", "2"]),
 ])
 def test_two_processes_match_one(tiny_model, tmp_path, script, extra):
     tok = models.load_tokenizer(tiny_model)
-    write_graded(tok, tmp_path / "g.jsonl", n_tasks=4, sep="\n" if "--decision_terms" in extra else " ")
+    write_graded(tok, tmp_path / "g.jsonl", n_tasks=4)
     runs = {}
     for n in (1, 2):
         out = tmp_path / f"out{n}"
@@ -76,7 +72,7 @@ def test_two_processes_match_one(tiny_model, tmp_path, script, extra):
 
 
 def test_ranks_with_uneven_work_stay_in_lock_step(tiny_model, tmp_path):
-    """3 tasks on 2 ranks: one rank has a task (3 forwards: shared prefix + 2 trajectories) where the
+    """3 tasks on 2 ranks: one rank has a task (2 forwards: its 2 trajectories) where the
     other has none, in the reference log-probs and in the step. Every forward is announced to the
     other ranks (common.count_forwards), so none waits in a collective the others never reach (this
     hung before), and the run matches one process."""

@@ -317,100 +317,10 @@ def test_sampling_draws_each_token_with_its_probability():
     assert set(picked.tolist()) == {0, 1} and abs((picked == 0).float().mean().item() - 0.625) < 0.01
 
 
-def test_bf16_matmuls_decode_what_fp32_decodes_and_leave_a_shared_model_alone(tiny_model):
-    """--decode_dtype bfloat16 on a CPU: the sampler's linear layers multiply in bf16 (fp32 weights kept
-    elsewhere), its logits stay within bf16 rounding of fp32's, and a model the caller shares with it
-    (label_turns' pi_ref) keeps its fp32 layers."""
-    import torch
-    fp32 = models.HFSampler(tiny_model, 0.0, 1.0, 6)
-    bf16 = models.HFSampler(tiny_model, 0.0, 1.0, 6, loaded=fp32.model, decode_dtype="bfloat16")
-    linears = lambda m, kind: [x for x in m.modules() if type(x).__name__ == kind]
-    assert linears(bf16.model, "Bf16Linear") and not linears(bf16.model, "Linear")
-    assert linears(fp32.model, "Linear") and not linears(fp32.model, "Bf16Linear")  # the shared model: untouched
-    ids = fp32.tok(["Write f(x) for me."], return_tensors="pt", add_special_tokens=False)["input_ids"]
-    with torch.no_grad():
-        a, b = fp32.model(ids).logits, bf16.model(ids).logits
-    assert b.dtype == torch.float32 and not torch.equal(a, b)  # bf16 rounding happened ...
-    assert (a - b).abs().max().item() < 0.05 * a.abs().max().item()  # ... and only that
-    assert len(bf16.generate(["Write f(x).", "Hi"])) == 2
-    with pytest.raises(common.DataError, match="decode_dtype"):
-        models.HFSampler(tiny_model, 0.0, 1.0, 6, decode_dtype="float16")
-
-
-def test_bf16_kv_cache_decodes_what_an_fp32_cache_decodes(tiny_model):
-    """--decode_dtype bfloat16 on a CPU also keeps the KV cache in bf16 (models.bf16_kv_attention): through a
-    left-padded prefill and decoding steps that outgrow the cache's reserve (its whole buffer and a mask as long
-    are what the attention reads), the logits stay within bf16 rounding of the same bf16-matmul model's on an
-    fp32 DynamicCache; the cache holds bf16; a model shared with the sampler keeps SDPA; and a dialogue's
-    reused cache serves its next turn."""
-    import torch
-    from transformers import DynamicCache
-    fp32 = models.HFSampler(tiny_model, 0.0, 1.0, 6)
-    bf16 = models.HFSampler(tiny_model, 0.0, 1.0, 6, loaded=fp32.model, decode_dtype="bfloat16", reuse_cache=True)
-    assert bf16.kv_dtype == torch.bfloat16 and bf16.model.config._attn_implementation == models.BF16_KV
-    assert fp32.model.config._attn_implementation == "sdpa"  # the shared model: untouched
-    ref_model = models.bf16_matmuls(fp32.model)  # the same matmuls, an fp32 cache read by SDPA
-    batch = fp32.tok(["Write f(x) for me, a longer one.", "Hi"], return_tensors="pt", padding=True, add_special_tokens=False)
-    assert batch["attention_mask"][1, 0] == 0  # left padding: the mask matters
-    runs = []
-    for model, cache in ((ref_model, DynamicCache()), (bf16.model, models.growing_cache(2, torch.bfloat16))):
-        ids, mask, logits = batch["input_ids"], batch["attention_mask"], []
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        with torch.no_grad():
-            for step in range(5):  # a prefill, then 4 steps: past the reserve of 2, the buffer grows
-                out = model(input_ids=ids, attention_mask=mask, position_ids=pos, **common.with_cache(model, cache))
-                logits.append(out.logits[:, -1])
-                ids = torch.tensor([[7], [9]])  # the same tokens for both
-                mask, pos = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1), pos[:, -1:] + 1
-        runs.append((torch.stack(logits), cache))
-    (a, _), (b, cache) = runs
-    width = batch["input_ids"].shape[1]  # the prefill's buffer held width + 2; the third step grew it to width + 3 + 2
-    assert cache.layers[0].keys.dtype == torch.bfloat16 and cache.layers[0].buffers[0].shape[-2] == width + 5
-    assert not torch.equal(a, b) and (a - b).abs().max().item() < 0.02 * a.abs().max().item()
-    dialogue = [{"role": "user", "content": "Write f(x)."}]
-    first = bf16.generate([models.render_prompt(bf16.tok, colbench.agent_messages({}, dialogue))], ["d/0"])[0]
-    dialogue += [{"role": "assistant", "content": first}, {"role": "user", "content": "Go on."}]
-    before = bf16.prompt_tokens["reused"]
-    assert len(bf16.generate([models.render_prompt(bf16.tok, colbench.agent_messages({}, dialogue))], ["d/1"])) == 1
-    assert bf16.prompt_tokens["reused"] > before and bf16.cache["d"][1][0][0].dtype == torch.bfloat16
-
-
-def test_growing_cache_holds_what_dynamic_cache_holds_without_a_copy_per_step():
-    """models.growing_cache: after a prefill, decoding steps, a row selection with repeats, an update
-    past its reserve and a crop, every layer holds exactly DynamicCache's keys and values; a step within
-    the reserve writes into the buffer it has (no reallocation, unlike DynamicLayer's concatenation)."""
-    import torch
-    from transformers import DynamicCache
-    torch.manual_seed(0)
-    ours, ref = models.growing_cache(4), DynamicCache()
-    chunks = [torch.randn(3, 2, n, 5) for n in (6, 1, 1, 1)]
-    for x in chunks:
-        for cache in (ours, ref):
-            for layer in range(2):
-                cache.update(x + layer, -x, layer)
-    assert ours.get_seq_length() == ref.get_seq_length() == 9
-    ptr = ours.layers[0].buffers[0].data_ptr()
-    ours.update(chunks[1] * 2, chunks[1], 0), ref.update(chunks[1] * 2, chunks[1], 0)  # the reserve's 4th position
-    assert ours.layers[0].buffers[0].data_ptr() == ptr  # written in place
-    pick = torch.tensor([2, 0, 0])
-    ours.batch_select_indices(pick), ref.batch_select_indices(pick)
-    for cache in (ours, ref):  # 12 positions: past the reserve, the buffer grows (once)
-        for layer in range(2):
-            cache.update(torch.ones(3, 2, 2, 5) * layer, torch.zeros(3, 2, 2, 5), layer)
-    for a, b in zip(ours.layers, ref.layers):
-        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-    assert ours.layers[0].keys.shape == (3, 2, 12, 5)
-    for cache in (ours, ref):  # crop, then a step: it is written where the cropped cache ends
-        cache.crop(-3)
-        cache.update(chunks[2] * 3, chunks[2], 0)
-    assert ours.get_seq_length() == ref.get_seq_length() == 10
-    assert torch.equal(ours.layers[0].keys, ref.layers[0].keys) and torch.equal(ours.layers[0].values, ref.layers[0].values)
-
-
 def test_forward_names_the_kv_cache_as_the_installed_transformers_does(tiny_model):
     """common.with_cache passes the KV cache under the name the model's forward takes (`cache` on
     transformers 5.2x, where `past_key_values` is deprecated; `past_key_values` on 5.19, vLLM's pin), so
-    decoding, the shared-prompt log-probs and the shared-prefix turn log-probs warn of nothing."""
+    decoding and the shared-prompt log-probs warn of nothing."""
     import inspect
     import warnings
     import torch
@@ -421,8 +331,6 @@ def test_forward_names_the_kv_cache_as_the_installed_transformers_does(tiny_mode
         warnings.simplefilter("always")
         assert len(sampler.generate(["Write f(x).", "Hi"], ["a/0", "b/0"])[0]) > 0
         common.shared_prompt_logprobs(sampler.model, [5, 6, 7, 8], [[9, 10, 11], [12, 13]])
-        common.shared_prefix_turn_logprobs(sampler.model, [([([5, 6, 7, 8, 9], [-1, -1, -1, 0, 0])], 1),
-                                                           ([([5, 6, 7, 8, 10, 11], [-1, -1, -1, 0, 0, 0])], 1)])
     assert not [str(w.message) for w in caught if "past_key_values" in str(w.message)]
 
     class OldForward(torch.nn.Module):  # the signature of a 5.19 forward: no `cache`

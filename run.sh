@@ -146,7 +146,7 @@ best_of() {  # best_of NAME DIR: the start, DIR's snapshots and DIR on the valid
     --summary "$RUN/select_$name.json" | tee "$RUN/select_$name.txt"
   BEST=$(field "$RUN/select_$name.json" selected_policy)
 }
-SNAP=$([ "$N_VAL" -gt 0 ] && echo "--snapshots 2")  # policies at 1/3 and 2/3 of each update, for best_of
+SNAP=$([ "$N_VAL" -gt 0 ] && echo "--snapshots 2" || true)  # policies at 1/3 and 2/3 of each update, for best_of
 
 G=$RUN/train_graded.jsonl
 if [ -n "$TRAIN_TRAJECTORIES" ]; then log "train trajectories: $TRAIN_TRAJECTORIES (graded here)"; evaluate "$TRAIN_TRAJECTORIES" train

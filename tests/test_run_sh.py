@@ -136,7 +136,7 @@ def test_run_sh_on_colbench_files_uses_released_settings(tiny_model, tmp_path):
     try:
         url = next(line for line in sim.stdout if "ready at" in line).split("ready at ")[1].split("/v1")[0]
         subprocess.run([sys.executable, "rollout.py", "--tasks", tmp_path / "few.jsonl", "--output", trajectories,
-                        "--agent_backend", "oracle", "--oracle_hasty", "0.5", "--samples", "3", "--simulator_url", url,
+                        "--agent_backend", "oracle", "--oracle_hasty", "0.5", "--samples", "6", "--simulator_url", url,
                         "--prompt_dir", prompts], cwd=ROOT, check=True, capture_output=True)
     finally:
         sim.kill()

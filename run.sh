@@ -1,32 +1,24 @@
 #!/usr/bin/env bash
 # SWEET-RL on ColBench, the whole loop: tasks -> warm-up -> rollouts -> critics -> turn labels -> DPO -> test.
-#   bash run.sh                     # the embedded CPU default (SmolLM2-135M agent, scripted human, procedural tasks)
-#   SMALL=1 bash run.sh             # a few minutes (config/small.sh)
-#   TASK_TYPE=html bash run.sh      # the frontend half (config/html.sh)
-#   BASELINES=1 bash run.sh         # + multi-turn DPO and rejection fine-tuning, selected as SWEET-RL is
-#   MODEL=meta-llama/Llama-3.1-8B-Instruct SIMULATOR_URL=http://host:8000 NPROC=8 \
-#     TRAIN_TASKS=train.jsonl TEST_TASKS=test.jsonl bash run.sh          # ColBench, the released recipe (config/colbench.sh)
-# Every stage skips or resumes work already on disk under $RUN, so a rerun continues.
+#   bash run.sh | SMALL=1 bash run.sh | TASK_TYPE=html bash run.sh | BASELINES=1 bash run.sh    (README)
+# The embedded CPU default; config/*.sh hold the sizes of SMALL=1, of html and of ColBench files (the released
+# recipe). Every stage skips or resumes work already on disk under $RUN, so a rerun continues.
 set -euo pipefail
 cd "$(dirname "$0")"
 TASK_TYPE=${TASK_TYPE:-code}          # code | html
-TRAIN_TASKS=${TRAIN_TASKS:-}          # ColBench data (a JSONL or a `datasets` folder) instead of procedural tasks
-TEST_TASKS=${TEST_TASKS:-}
+TRAIN_TASKS=${TRAIN_TASKS:-} TEST_TASKS=${TEST_TASKS:-}  # ColBench data (a JSONL or a `datasets` folder) instead of procedural tasks
 [ "${SMALL:-0}" = 1 ] && . config/small.sh
 [ -n "$TRAIN_TASKS$TEST_TASKS" ] && . config/colbench.sh
 [ "$TASK_TYPE" = html ] && . config/html.sh
 MODEL=${MODEL:-embedded}              # the starting policy (HF path or id)
 RUN=${RUN:-runs/$([ "${SMALL:-0}" = 1 ] && echo small || echo default)}
 SEED=${SEED:-0}                       # draws the train, warm-up and validation tasks; test tasks use SEED+1
-SIMULATOR_URL=${SIMULATOR_URL:-}      # empty: start the embedded scripted human
-NPROC=${NPROC:-1}                     # processes (GPUs) per stage: torchrun + FSDP2 training, sharded sampling
+SIMULATOR_URL=${SIMULATOR_URL:-} NPROC=${NPROC:-1}  # empty: the scripted human; GPUs per stage (torchrun, FSDP2, shards)
 AGENT_BACKEND=${AGENT_BACKEND:-}      # hf | vllm (empty: vllm for a non-embedded MODEL)
 BASELINES=${BASELINES:-0}             # 1: also multi-turn DPO and rejection fine-tuning
-PROMPT_DIR=${PROMPT_DIR:-}            # prompt templates replacing ours (e.g. your checkout of the released prompts/)
-CLIP_MODEL=${CLIP_MODEL:-}            # html: a local CLIP model; empty = the named non-CLIP image similarity
+PROMPT_DIR=${PROMPT_DIR:-} CLIP_MODEL=${CLIP_MODEL:-}  # prompt templates replacing ours; html: a local CLIP model
 N_TRAIN=${N_TRAIN:-60} N_TEST=${N_TEST:-200} N_VAL=${N_VAL:-50} N_WARMUP=${N_WARMUP:-120}  # tasks (N_WARMUP=0: no warm-up)
-SAMPLES=${SAMPLES:-4}                 # rollouts per train task
-CANDIDATES=${CANDIDATES:-8}           # label_turns: candidate turns per state (released: 16)
+SAMPLES=${SAMPLES:-4} CANDIDATES=${CANDIDATES:-8}  # rollouts per train task; candidate turns per state (released: 3, 16)
 DATA_FRACTION=${DATA_FRACTION:-0.2}   # label_turns: share of train trajectories labelled (released: 0.1)
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-96}  # longest agent turn
 LR_CRITIC=${LR_CRITIC:-1e-4} LR_DPO=${LR_DPO:-6e-6}  # released: 2e-7 both
@@ -35,109 +27,80 @@ PY=${PY:-}                            # a python with the requirements (empty: s
 if [ -z "$PY" ]; then bash setup.sh; PY=.venv/bin/python; fi
 EMB=$([ "$MODEL" = embedded ] && echo 1 || echo 0)
 TRAIN_LAYERS=$([ "$EMB" = 1 ] && echo 10 || echo 0)  # the embedded run trains the top 10 of 30 layers (README, deviations)
-CRITIC_EPOCHS=$([ "$EMB" = 1 ] && echo 2 || echo 4)  # released: 4
-CKPT=$([ "$EMB" = 1 ] || echo --grad_ckpt)          # activation checkpointing for real models
-if [ -z "$AGENT_BACKEND" ]; then
-  AGENT_BACKEND=hf
+CRITIC_EPOCHS=$([ "$EMB" = 1 ] && echo 2 || echo 4) CKPT=$([ "$EMB" = 1 ] || echo --grad_ckpt)  # released: 4, checkpointing
+if [ -z "$AGENT_BACKEND" ]; then AGENT_BACKEND=hf
   if [ "$EMB" = 0 ] && "$PY" -c 'import vllm' 2>/dev/null; then AGENT_BACKEND=vllm
-  elif [ "$EMB" = 0 ] && "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
-    echo "run.sh: $MODEL on a GPU without vLLM: the HF sampler decodes token by token. Install requirements-gpu.txt," \
-         "or set AGENT_BACKEND=hf to use it on purpose." >&2; exit 1
-  fi
-fi
-# the warm-up's starting share of hasty oracle dialogues and the band its validation success should land in
+  elif [ "$EMB" = 0 ] && "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then echo "run.sh: $MODEL on a" \
+    "GPU without vLLM: install requirements-gpu.txt, or set AGENT_BACKEND=hf to decode token by token on purpose" >&2; exit 1; fi; fi
+# the warm-up's starting share of hasty oracle dialogues, the band its validation success should land in, retries
 HASTY=0.8 BAND=0.25,0.5 TRIES=2; [ "$TASK_TYPE" = html ] && HASTY=0.5 BAND=0.15,0.5 TRIES=1
 echo "run.sh: run directory $RUN$([ -d "$RUN" ] && echo ' (exists: finished stages are reused)')"
 for v in TASK_TYPE SMALL SEED MODEL TRAIN_TASKS TEST_TASKS SIMULATOR_URL NPROC AGENT_BACKEND BASELINES PROMPT_DIR CLIP_MODEL \
-         N_TRAIN N_TEST N_VAL N_WARMUP SAMPLES CANDIDATES DATA_FRACTION MAX_NEW_TOKENS LR_CRITIC LR_DPO TRAIN_TRAJECTORIES; do
-  printf '  %s=%s\n' "$v" "${!v-}"
-done
-mkdir -p "$RUN"
-free_kb=$(df -Pk "$RUN" | awk 'NR == 2 {print $4}')  # a whole embedded run writes 3.6 GB; a full disk stops a stage
-[ "$EMB" = 1 ] && [ -n "$free_kb" ] && [ "$free_kb" -lt 6291456 ] && \
-  echo "run.sh: warning: $((free_kb / 1048576)) GB free on the disk of $RUN; a run writes 3.6 GB (set RUN=dir elsewhere)" >&2
+  N_TRAIN N_TEST N_VAL N_WARMUP SAMPLES CANDIDATES DATA_FRACTION MAX_NEW_TOKENS LR_CRITIC LR_DPO TRAIN_TRAJECTORIES; do
+  printf '  %s=%s\n' "$v" "${!v-}"; done
+mkdir -p "$RUN"; free_kb=$(df -Pk "$RUN" | awk 'NR == 2 {print $4}')  # a whole embedded run writes 3.6 GB
+[ "$EMB" = 1 ] && [ "${free_kb:-0}" -lt 6291456 ] && echo "run.sh: warning: $((free_kb / 1048576)) GB free for $RUN (set RUN=dir)" >&2
 log() { printf '\n== %s\n' "$*"; }
 torchrun() { if [ "$NPROC" -gt 1 ]; then "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" "$@"; else "$PY" "$@"; fi; }
-train() {  # train SCRIPT ... --output_dir DIR ...: a finished DIR is reused, a killed one resumes
-  local a=("$@") i out=
-  for ((i = 0; i + 1 < ${#a[@]}; i++)); do [ "${a[i]}" = --output_dir ] && out=${a[i+1]}; done
-  if [ -f "$out/config.json" ]; then echo "reusing $out (delete it to redo)"; return; fi
-  if [ -d "$out/resume" ] || [ -d "$out/resume.old" ]; then a+=(--resume); fi
-  torchrun "${a[@]}" $CKPT
-}
+train() {  # train DIR SCRIPT ARGS: a finished DIR (config.json is written last) is reused, a killed one resumes
+  local out=$1; shift; if [ -f "$out/config.json" ]; then echo "reusing $out (delete it to redo)"; return; fi
+  torchrun "$@" --output_dir "$out" $CKPT $([ -d "$out/resume" ] || [ -d "$out/resume.old" ] && echo --resume || true); }
 sample() {  # sample OUT SCRIPT ARGS: NPROC ranks each sample a shard; OUT (and OUT.states.jsonl) = the shards in order
-  local out=$1 i part suffix; shift
-  torchrun "$@"
-  [ "$NPROC" -gt 1 ] || return 0
-  for suffix in "" .states.jsonl; do
-    part=(); for ((i = 0; i < NPROC; i++)); do [ -f "$out.shard-$i-of-$NPROC$suffix" ] && part+=("$out.shard-$i-of-$NPROC$suffix"); done
-    [ ${#part[@]} -eq 0 ] || cat "${part[@]}" > "$out$suffix"
-  done
+  local out=$1 i sfx; shift; torchrun "$@"; [ "$NPROC" -gt 1 ] || return 0
+  for sfx in "" .states.jsonl; do [ -f "$out.shard-0-of-$NPROC$sfx" ] || continue
+    for ((i = 0; i < NPROC; i++)); do cat "$out.shard-$i-of-$NPROC$sfx"; done > "$out$sfx"; done
 }
-if [ -z "$SIMULATOR_URL" ]; then
-  "$PY" simulator.py --port 0 ${PROMPT_DIR:+--prompt_dir "$PROMPT_DIR"} > "$RUN/simulator.log" 2>&1 &
-  SIM_PID=$!; trap 'kill $SIM_PID 2>/dev/null || true' EXIT
-  for _ in $(seq 100); do grep -q "ready at" "$RUN/simulator.log" 2>/dev/null && break; sleep 0.1; done
+if [ -z "$SIMULATOR_URL" ]; then  # the scripted human on a free port, for this run only
+  "$PY" simulator.py --port 0 ${PROMPT_DIR:+--prompt_dir "$PROMPT_DIR"} > "$RUN/simulator.log" 2>&1 & trap "kill $! 2>/dev/null || true" EXIT
+  for _ in $(seq 1200); do grep -q "ready at" "$RUN/simulator.log" 2>/dev/null && break; sleep 0.1; done
   SIMULATOR_URL=$(sed -n 's/.*ready at \(http[^ ]*\)\/v1.*/\1/p' "$RUN/simulator.log")
-  [ -n "$SIMULATOR_URL" ] || { cat "$RUN/simulator.log"; exit 1; }
+  [ -n "$SIMULATOR_URL" ] || { echo "run.sh: the simulated human did not start in 2 min:" >&2; cat "$RUN/simulator.log" >&2; exit 1; }
 fi
 log "simulated human at $SIMULATOR_URL"
 rollout() {  # rollout POLICY TASKS OUT [extra args, which win]
-  local policy=$1 tasks=$2 out=$3; shift 3
-  sample "$out" rollout.py --tasks "$tasks" --output "$out" --agent_model "$policy" --agent_backend "$AGENT_BACKEND" \
-    --simulator_url "$SIMULATOR_URL" --temperature 1.0 --top_p 1.0 --max_new_tokens "$MAX_NEW_TOKENS" --batch_size 64 \
-    --seed "$SEED" --task_type "$TASK_TYPE" ${PROMPT_DIR:+--prompt_dir "$PROMPT_DIR"} "$@"
-}
-evaluate() { local in=$1 name=$2; shift 2  # evaluate IN NAME [extra]: $RUN/NAME_graded.jsonl and NAME_summary.json
-  "$PY" evaluate.py --input "$in" --output "$RUN/${name}_graded.jsonl" --summary "$RUN/${name}_summary.json" \
-    --task_type "$TASK_TYPE" --clip_model "$CLIP_MODEL" "$@"; }
+  sample "$3" rollout.py --agent_model "$1" --tasks "$2" --output "$3" --agent_backend "$AGENT_BACKEND" --simulator_url "$SIMULATOR_URL" \
+    --temperature 1.0 --top_p 1.0 --max_new_tokens "$MAX_NEW_TOKENS" --batch_size 64 --seed "$SEED" --task_type "$TASK_TYPE" \
+    ${PROMPT_DIR:+--prompt_dir "$PROMPT_DIR"} "${@:4}"; }
+evaluate() { "$PY" evaluate.py --input "$1" --output "$RUN/${2}_graded.jsonl" --summary "$RUN/${2}_summary.json" \
+  --task_type "$TASK_TYPE" --clip_model "$CLIP_MODEL" "${@:3}"; }  # evaluate IN NAME [extra]
 field() { "$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$1" "$2"; }
-gen() { local out=$1; shift; [ -f "$out" ] && { echo "reusing $out"; return; }
-  "$PY" generate_tasks.py --task_type "$TASK_TYPE" --output "$out" "$@"; }
-
-log "tasks"
-T=$RUN/test_tasks.jsonl V=$RUN/val_tasks.jsonl
+gen() { local out=$1; shift; if [ -f "$out" ]; then echo "reusing $out"; else
+  "$PY" generate_tasks.py --task_type "$TASK_TYPE" --output "$out" "$@"; fi; }
+log "tasks"; G=$RUN/train_graded.jsonl
+T=$RUN/test_tasks.jsonl V=$RUN/val_tasks.jsonl; NOTV=$T$([ "$N_VAL" -gt 0 ] && echo ",$RUN/val_tasks.jsonl" || true)
 if [ -n "$TEST_TASKS" ]; then gen "$T" --source file --input "$TEST_TASKS" --num_tasks "$N_TEST"
 else gen "$T" --num_tasks "$N_TEST" --seed $((SEED + 1)); fi
 if [ -n "$TRAIN_TASKS" ]; then  # validation = the first N_VAL train-file tasks, held out of training
   [ "$N_VAL" -gt 0 ] && gen "$V" --source file --input "$TRAIN_TASKS" --num_tasks "$N_VAL" --exclude "$T"
-  gen "$RUN/train_tasks.jsonl" --source file --input "$TRAIN_TASKS" --num_tasks 0 --exclude "$T$([ "$N_VAL" -gt 0 ] && echo ",$V")"
+  gen "$RUN/train_tasks.jsonl" --source file --input "$TRAIN_TASKS" --num_tasks 0 --exclude "$NOTV"
 else
   gen "$RUN/train_tasks.jsonl" --num_tasks "$N_TRAIN" --seed $((SEED + 2)) --exclude "$T"
   [ "$N_VAL" -gt 0 ] && gen "$V" --num_tasks "$N_VAL" --seed $((SEED + 4)) --exclude "$T,$RUN/train_tasks.jsonl"
 fi
-val_of() {  # val_of POLICY TAG: POLICY on the validation tasks (2 dialogues each); VAL_SUCCESS = its success (html: similarity)
-  rollout "$1" "$V" "$RUN/val_$2.jsonl" --samples 2
-  evaluate "$RUN/val_$2.jsonl" "val_$2"
-  VAL_SUCCESS=$(field "$RUN/val_$2_summary.json" success_rate)
-}
-POLICY=$MODEL VAL_START=start
+val_of() {  # val_of POLICY TAG: POLICY on the validation tasks (2 dialogues each); VAL_SUCCESS = its success
+  rollout "$1" "$V" "$RUN/val_$2.jsonl" --samples 2; evaluate "$RUN/val_$2.jsonl" "val_$2"
+  VAL_SUCCESS=$(field "$RUN/val_$2_summary.json" success_rate); }; POLICY=$MODEL VAL_START=start
 if [ "$N_WARMUP" -gt 0 ] && [ -z "$TRAIN_TASKS" ]; then
   log "protocol warm-up: SFT on oracle dialogues (the starting policy of every method; docs/curriculum.md)"
-  gen "$RUN/warmup_tasks.jsonl" --num_tasks "$N_WARMUP" --seed $((SEED + 3)) --exclude "$T$([ "$N_VAL" -gt 0 ] && echo ",$V")"
-  for try in $(seq 0 "$TRIES"); do  # calibration: redo the warm-up with another hasty share until the start's
-    sfx=$([ "$try" = 0 ] || echo "_hasty$HASTY")  # validation success lies in BAND
-    rollout "$MODEL" "$RUN/warmup_tasks.jsonl" "$RUN/warmup_oracle$sfx.jsonl" --agent_backend oracle --oracle_hasty "$HASTY" \
-      --oracle_detour 0.2
+  gen "$RUN/warmup_tasks.jsonl" --num_tasks "$N_WARMUP" --seed $((SEED + 3)) --exclude "$NOTV"
+  for try in $(seq 0 "$TRIES"); do  # calibration: redo the warm-up with another hasty share until the start lies in BAND
+    sfx=$([ "$try" = 0 ] || echo "_hasty$HASTY")
+    rollout "$MODEL" "$RUN/warmup_tasks.jsonl" "$RUN/warmup_oracle$sfx.jsonl" --agent_backend oracle --oracle_hasty "$HASTY" --oracle_detour 0.2
     evaluate "$RUN/warmup_oracle$sfx.jsonl" "warmup_oracle$sfx"
-    train train_dpo.py --mode sft --sft_on all --trajectories "$RUN/warmup_oracle${sfx}_graded.jsonl" --model "$MODEL" \
-      --output_dir "$RUN/policy_warm$sfx" --lr 1e-4 --batch_size 8 --task_type "$TASK_TYPE"
-    POLICY=$RUN/policy_warm$sfx
-    [ "$N_VAL" -gt 0 ] || break
+    train "$RUN/policy_warm$sfx" train_dpo.py --mode sft --sft_on all --trajectories "$RUN/warmup_oracle${sfx}_graded.jsonl" \
+      --model "$MODEL" --lr 1e-4 --batch_size 8 --task_type "$TASK_TYPE"
+    POLICY=$RUN/policy_warm$sfx; [ "$N_VAL" -gt 0 ] || break
     VAL_START=start$sfx; val_of "$POLICY" "$VAL_START"
-    next=$("$PY" -c 'import sys; s, h = map(float, sys.argv[1:3]); lo, hi = map(float, sys.argv[3].split(","))
-print("" if lo <= s <= hi else round(min(1.0, max(0.0, h - 0.1 if s < lo else h + 0.1)), 2))' "$VAL_SUCCESS" "$HASTY" "$BAND")
-    echo "starting policy (oracle_hasty $HASTY): validation success $VAL_SUCCESS, band [$BAND]${next:+: outside}"
-    [ -n "$next" ] || break
-    [ "$try" -lt "$TRIES" ] || { echo "run.sh: warning: the start is outside [$BAND] after $TRIES retries; used as it is" >&2; break; }
-    HASTY=$next
+    next=$(awk -v s="$VAL_SUCCESS" -v h="$HASTY" -v b="$BAND" 'BEGIN { split(b, r, ","); if (s < r[1]) h -= 0.1; else if (s > r[2]) h += 0.1; else exit; printf "%.2g", (h < 0 ? 0 : (h > 1 ? 1 : h)) }')
+    echo "starting policy (oracle_hasty $HASTY): validation success $VAL_SUCCESS, band [$BAND]${next:+: outside}"; [ -n "$next" ] || break
+    [ "$try" -lt "$TRIES" ] || { echo "run.sh: warning: the start is outside [$BAND] after $TRIES retries; used as it is" >&2; break; }; HASTY=$next
   done
 fi
 [ "$N_VAL" -gt 0 ] && [ ! -f "$RUN/val_${VAL_START}_graded.jsonl" ] && val_of "$POLICY" "$VAL_START"
 best_of() {  # best_of NAME DIR: the start, DIR's snapshots and DIR on the validation tasks; BEST = the highest (a tie: the earliest)
   local name=$1 dir=$2 runs=("start=$RUN/val_${VAL_START}_graded.jsonl") pols=("start=$POLICY") d tag
   BEST=$dir; [ "$N_VAL" -gt 0 ] || return 0
-  for d in $(ls "$dir" | sed -n 's/^step-\([0-9]*\)$/\1/p' | sort -n | sed "s|^|$dir/step-|") "$dir"; do
+  for d in $(ls -d "$dir"/step-* 2>/dev/null | sort -V) "$dir"; do
     tag=${name}_$(basename "$d"); [ "$d" = "$dir" ] && tag=${name}_end
     rollout "$d" "$V" "$RUN/val_$tag.jsonl" --samples 2; evaluate "$RUN/val_$tag.jsonl" "val_$tag"
     runs+=("$tag=$RUN/val_${tag}_graded.jsonl") pols+=("$tag=$d")
@@ -147,52 +110,39 @@ best_of() {  # best_of NAME DIR: the start, DIR's snapshots and DIR on the valid
   BEST=$(field "$RUN/select_$name.json" selected_policy)
 }
 SNAP=$([ "$N_VAL" -gt 0 ] && echo "--snapshots 2" || true)  # policies at 1/3 and 2/3 of each update, for best_of
-
-G=$RUN/train_graded.jsonl
 if [ -n "$TRAIN_TRAJECTORIES" ]; then log "train trajectories: $TRAIN_TRAJECTORIES (graded here)"; evaluate "$TRAIN_TRAJECTORIES" train
-else
-  log "rollouts on train tasks ($SAMPLES per task) with $POLICY"
-  rollout "$POLICY" "$RUN/train_tasks.jsonl" "$RUN/train_rollouts.jsonl" --samples "$SAMPLES"
-  evaluate "$RUN/train_rollouts.jsonl" train --k "$SAMPLES"
-fi
-
+else log "rollouts on train tasks ($SAMPLES per task) with $POLICY"; rollout "$POLICY" "$RUN/train_tasks.jsonl" "$RUN/train_rollouts.jsonl" \
+  --samples "$SAMPLES"; evaluate "$RUN/train_rollouts.jsonl" train --k "$SAMPLES"; fi
 log "SWEET-RL: critic -> turn labels -> turn-level DPO"
-critic() { train train_critic.py --trajectories "$G" --model "$POLICY" --output_dir "$@" --lr "$LR_CRITIC" \
-  --epochs "$CRITIC_EPOCHS" --task_type "$TASK_TYPE" --seed "$SEED" --train_layers "$TRAIN_LAYERS"; }
+critic() { train "$1" train_critic.py --trajectories "$G" --model "$POLICY" --lr "$LR_CRITIC" --epochs "$CRITIC_EPOCHS" \
+  --task_type "$TASK_TYPE" --seed "$SEED" --train_layers "$TRAIN_LAYERS" "${@:2}"; }
 critic "$RUN/critic"  # the SWEET critic: sees c, sum of per-turn mean log-ratios (the paper's)
-ABLATION=()  # on procedural tasks the no-information critic is scored on the same candidates (turn-credit accuracy)
-if [ -z "$TRAIN_TASKS" ]; then critic "$RUN/critic_no_training_info" --no_training_info
+ABLATION=(); if [ -z "$TRAIN_TASKS" ]; then  # procedural tasks: the no-information critic scores the same candidates critic "$RUN/critic_no_training_info" --no_training_info
   ABLATION=(--credit_critics "no_training_info=$RUN/critic_no_training_info"); fi
 sample "$RUN/pairs.jsonl" label_turns.py --trajectories "$G" --critic "$RUN/critic" --output "$RUN/pairs.jsonl" \
   --agent_backend "$AGENT_BACKEND" --num_candidates "$CANDIDATES" --pairs_per_state 4 --data_fraction "$DATA_FRACTION" \
   --temperature 1.0 --max_new_tokens "$MAX_NEW_TOKENS" --seed "$SEED" "${ABLATION[@]}"
-dpo() { local name=$1; shift; train train_dpo.py --model "$POLICY" --output_dir "$RUN/policy_$name" --lr "$LR_DPO" \
-  --seed "$SEED" --task_type "$TASK_TYPE" --train_layers "$TRAIN_LAYERS" $SNAP "$@"; best_of "$name" "$RUN/policy_$name"; }
-dpo sweet --mode turn --pairs "$RUN/pairs.jsonl"
-METHODS="zero_shot:$POLICY sweet_rl:$BEST"
+dpo() { train "$RUN/policy_$1" train_dpo.py --model "$POLICY" --lr "$LR_DPO" --seed "$SEED" --task_type "$TASK_TYPE" \
+  --train_layers "$TRAIN_LAYERS" $SNAP "${@:2}"; best_of "$1" "$RUN/policy_$1"; }
+dpo sweet --mode turn --pairs "$RUN/pairs.jsonl"; METHODS="zero_shot:$POLICY sweet_rl:$BEST"
 if [ "$BASELINES" = 1 ]; then
   log "baselines: multi-turn DPO and rejection fine-tuning (same start, data, steps and selection)"
   dpo mtdpo --mode trajectory --trajectories "$G"; METHODS="$METHODS multi_turn_dpo:$BEST"
   dpo rft --mode sft --trajectories "$G"; METHODS="$METHODS rejection_ft:$BEST"
 fi
-
-log "test rollouts (same tasks and seeds for every method)"
-runs=() pols=()
-for m in $METHODS; do
-  name=${m%%:*} policy=${m#*:}
+log "test rollouts (same tasks and seeds for every method)"; runs=() pols=()
+for m in $METHODS; do name=${m%%:*} policy=${m#*:} ref=()
   if [ "$name" != zero_shot ] && [ "$policy" = "$POLICY" ]; then  # validation kept the start: zero_shot's dialogues
     echo "$name is the starting policy: its test dialogues are zero_shot's"
     for f in .jsonl _graded.jsonl _graded.jsonl.run_settings.json; do cp "$RUN/test_zero_shot$f" "$RUN/test_$name$f"; done
   else rollout "$policy" "$T" "$RUN/test_${name}.jsonl"; fi
-  ref=(); [ "$TASK_TYPE" = html ] && [ "$name" != zero_shot ] && ref=(--reference "$RUN/test_zero_shot_graded.jsonl")
+  [ "$TASK_TYPE" = html ] && [ "$name" != zero_shot ] && ref=(--reference "$RUN/test_zero_shot_graded.jsonl")
   evaluate "$RUN/test_${name}.jsonl" "test_${name}" "${ref[@]}"
   runs+=("$name=$RUN/test_${name}_graded.jsonl") pols+=("$name=$policy")
 done
-
 log "results ($RUN)"
 "$PY" evaluate.py --compare "$(IFS=,; echo "${runs[*]}")" --policies "$(IFS=,; echo "${pols[*]}")" \
   --credit "$RUN/pairs.jsonl" --summary "$RUN/results.json" | tee "$RUN/results.txt"
 "$PY" view.py --plots "$RUN"  # the teaching views: plots of results and training, and the trajectory viewer
 "$PY" view.py --trajectories "$(IFS=,; echo "${runs[*]}"),train=$G" --states "$RUN/pairs.jsonl.states.jsonl" \
-  --critic "$RUN/critic" --task_type "$TASK_TYPE" --max_dialogues 40 --output "$RUN/report.html"
-echo "open $RUN/report.html in a browser; plots: $RUN/results.png, $RUN/training.png"
+  --critic "$RUN/critic" --task_type "$TASK_TYPE" --max_dialogues 40 --output "$RUN/report.html" && echo "open $RUN/report.html"

@@ -153,7 +153,11 @@ def main():
         if t is type:
             return '["type",' + esc(known_types[x]) + "]" if x in known_types else '["opaque",null]'
         raise Unencodable("unsupported type")
+    me, getpid, in_calls, forked = os.getpid(), os.getpid, [False], [False]
+    os.register_at_fork(after_in_parent=lambda: in_calls[0] and forked.__setitem__(0, True))  # the code can't undo it
     def emit(name, status, payload):
+        if getpid() != me:  # a copy the code forked: it never reports (the runner below says it forked)
+            exit_now(0)
         data = ("[" + esc(name) + ',"' + status + '",' + payload + "]\n").encode()
         while data:
             data = data[write(fd, data):]
@@ -182,6 +186,7 @@ def main():
         exec(job["code"], g, loc)
     except BaseExc as e:
         err = reason(e)
+    in_calls[0] = True
     for name, fn, args, kwargs, c in calls:
         if err is not None:
             emit(name, "exception", err)
@@ -210,6 +215,8 @@ def main():
             emit(name, "unencodable", esc(str(e)[:100]) if typ(e) is Unencodable else reason(e))
             continue
         emit(name, "ok", payload)
+    if forked[0]:  # a call forked: its copies never report (emit), so say it here, whatever the timing
+        emit("__forked__", "ok", "null")
     emit("__done__", "ok", "null")
     exit_now(0)
 main()
@@ -480,7 +487,7 @@ def _collect(proc, r_fd, job, calls, timeout):
             if name == "__done__":
                 ended = "done"
                 break
-            if name in results:  # two writers: the code forked and both copies ran the tests
+            if name == "__forked__" or name in results:  # the code forked during its calls (or two writers)
                 forked = True
             elif status == "ok":
                 results[name] = ("ok", _decode(payload))

@@ -10,8 +10,7 @@ Writes: one HTML file. Each dialogue is a chat; with --critic every agent turn i
 
     python view.py --trajectories runs/default/test_sweet_rl_graded.jsonl --output report.html
     python view.py --plots runs/default       # results.png and training.png from the run's results.json and logs
-    python view.py --trajectories zero_shot=runs/default/test_zero_shot_graded.jsonl,sweet_rl=runs/default/test_sweet_rl_graded.jsonl \
-        --states runs/default/pairs.jsonl.states.jsonl --critic runs/default/critic --output runs/default/report.html
+    python view.py --trajectories zero_shot=ZS_GRADED,sweet_rl=SWEET_GRADED --states RUN/pairs.jsonl.states.jsonl --critic RUN/critic --output report.html
 
 The advantage is train_critic.dialogue_advantages of the critic against its pi_ref (run_settings.json), on
 the same input the critic was trained on (c + o_t), so the colours are exactly what the critic learnt.

@@ -1,7 +1,5 @@
-"""Training speed and memory on real rollouts: train_critic.py (each pair's common prefix run once,
-and with --no_shared_prefix each trajectory whole) and train_dpo.py (trajectory mode) on the first
---num_tasks tasks of a graded file, one epoch each; with --train_layers, also the critic with
---no_keep_frozen (the frozen layers run at every step). Reports tokens/s (median over steps, from
+"""Training speed and memory on real rollouts: train_critic.py and train_dpo.py (trajectory mode) on the
+first --num_tasks tasks of a graded file, one epoch each. Reports tokens/s (median over steps, from
 each run's log.jsonl), each run's wall time (model load, pi_ref's pass and saving included) and its
 peak resident memory.
 
@@ -33,8 +31,7 @@ with tempfile.TemporaryDirectory() as d:
     with open(sub, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows if r["task_id"] in keep)
     critic = ["--epochs", a.epochs, "--heldout_fraction", "0", "--task_type", a.task_type]
-    runs = [("train_critic.py", critic), ("train_critic.py", critic + ["--no_shared_prefix"])]
-    runs += [("train_critic.py", critic + ["--no_keep_frozen"])] if a.train_layers else []
+    runs = [("train_critic.py", critic)]
     runs += [] if a.critic_only else [("train_dpo.py", ["--mode", "trajectory", "--task_type", a.task_type])]
     for script, extra in runs:
         out = os.path.join(d, script + "".join(extra))

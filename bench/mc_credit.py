@@ -74,7 +74,7 @@ try:
     subprocess.run([py, "rollout.py", "--prefixes", f"{a.output_dir}/prefixes.jsonl", "--output", out, "--task_type", a.task_type,
                     "--agent_model", a.policy, "--simulator_url", url, "--temperature", str(settings["temperature"]),
                     "--top_p", str(settings["top_p"]), "--max_new_tokens", str(settings["max_new_tokens"]),
-                    "--max_turns", str(a.max_turns), "--decode_dtype", settings.get("decode_dtype", "auto"),
+                    "--max_turns", str(a.max_turns),
                     "--batch_size", "64", "--seed", str(a.seed)], cwd=ROOT, check=True)
     graded = f"{a.output_dir}/continuations_graded.jsonl"
     if not os.path.exists(graded):

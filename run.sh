@@ -100,7 +100,7 @@ fi
 best_of() {  # best_of NAME DIR: the start, DIR's snapshots and DIR on the validation tasks; BEST = the highest (a tie: the earliest)
   local name=$1 dir=$2 runs=("start=$RUN/val_${VAL_START}_graded.jsonl") pols=("start=$POLICY") d tag
   BEST=$dir; [ "$N_VAL" -gt 0 ] || return 0
-  for d in $(ls -d "$dir"/step-* 2>/dev/null | sort -V) "$dir"; do
+  for d in $(ls -d "$dir"/step-* 2>/dev/null | sort -V || true) "$dir"; do
     tag=${name}_$(basename "$d"); [ "$d" = "$dir" ] && tag=${name}_end
     rollout "$d" "$V" "$RUN/val_$tag.jsonl" --samples 2; evaluate "$RUN/val_$tag.jsonl" "val_$tag"
     runs+=("$tag=$RUN/val_${tag}_graded.jsonl") pols+=("$tag=$d")
@@ -117,7 +117,8 @@ log "SWEET-RL: critic -> turn labels -> turn-level DPO"
 critic() { train "$1" train_critic.py --trajectories "$G" --model "$POLICY" --lr "$LR_CRITIC" --epochs "$CRITIC_EPOCHS" \
   --task_type "$TASK_TYPE" --seed "$SEED" --train_layers "$TRAIN_LAYERS" "${@:2}"; }
 critic "$RUN/critic"  # the SWEET critic: sees c, sum of per-turn mean log-ratios (the paper's)
-ABLATION=(); if [ -z "$TRAIN_TASKS" ]; then  # procedural tasks: the no-information critic scores the same candidates critic "$RUN/critic_no_training_info" --no_training_info
+ABLATION=(); if [ -z "$TRAIN_TASKS" ]; then  # procedural tasks: the no-information critic scores the same candidates
+  critic "$RUN/critic_no_training_info" --no_training_info
   ABLATION=(--credit_critics "no_training_info=$RUN/critic_no_training_info"); fi
 sample "$RUN/pairs.jsonl" label_turns.py --trajectories "$G" --critic "$RUN/critic" --output "$RUN/pairs.jsonl" \
   --agent_backend "$AGENT_BACKEND" --num_candidates "$CANDIDATES" --pairs_per_state 4 --data_fraction "$DATA_FRACTION" \
@@ -140,8 +141,7 @@ for m in $METHODS; do name=${m%%:*} policy=${m#*:} ref=()
   evaluate "$RUN/test_${name}.jsonl" "test_${name}" "${ref[@]}"
   runs+=("$name=$RUN/test_${name}_graded.jsonl") pols+=("$name=$policy")
 done
-log "results ($RUN)"
-"$PY" evaluate.py --compare "$(IFS=,; echo "${runs[*]}")" --policies "$(IFS=,; echo "${pols[*]}")" \
+log "results ($RUN)"; "$PY" evaluate.py --compare "$(IFS=,; echo "${runs[*]}")" --policies "$(IFS=,; echo "${pols[*]}")" \
   --credit "$RUN/pairs.jsonl" --summary "$RUN/results.json" | tee "$RUN/results.txt"
 "$PY" view.py --plots "$RUN"  # the teaching views: plots of results and training, and the trajectory viewer
 "$PY" view.py --trajectories "$(IFS=,; echo "${runs[*]}"),train=$G" --states "$RUN/pairs.jsonl.states.jsonl" \

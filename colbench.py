@@ -54,7 +54,8 @@ def validate_task(task, task_type="code", where="task"):
 
 
 def load_tasks(path, task_type="code"):
-    """Tasks from a JSONL file or a `datasets` dataset saved on disk; each gets a `task_id`."""
+    """Tasks from a JSONL file or a `datasets` dataset saved on disk (html: also WebSight-style rows, `text` the
+    HTML and `llm_generated_idea` the request); each gets a `task_id`."""
     path = Path(path)
     if path.is_dir():  # datasets.save_to_disk output
         import datasets
@@ -72,6 +73,8 @@ def load_tasks(path, task_type="code"):
         rows = read_jsonl(path)
     tasks = []
     for line, t in rows:
+        if task_type == "html" and "ground_truth" not in t and "text" in t:  # WebSight: text = HTML, idea = request
+            t = {"problem_description": t.get("llm_generated_idea") or "A web page.", "ground_truth": t["text"]}
         validate_task(t, task_type, where=f"{path}:{line}")
         tasks.append(dict(t, task_id=task_id(t)))
     return tasks

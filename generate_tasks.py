@@ -225,27 +225,6 @@ def procedural_page(rng):
             "ground_truth": f"<html>\n{TAILWIND_LINK}\n{colbench.design_page(design, biz.title())}\n</html>"}
 
 
-def load_html_tasks(path):
-    """Frontend tasks from a ColBench frontend JSONL or WebSight-style data (JSONL or a `datasets`
-    directory with `text` (the HTML) and optionally `llm_generated_idea` (the description))."""
-    path = Path(path)
-    if path.is_dir():
-        import datasets
-        ds = datasets.load_from_disk(str(path))
-        if isinstance(ds, datasets.DatasetDict):
-            ds = ds[next(iter(ds))]
-        rows = [(i + 1, dict(r)) for i, r in enumerate(ds)]
-    else:
-        rows = common.read_jsonl(path)
-    tasks = []
-    for line, r in rows:
-        if "ground_truth" not in r and "text" in r:  # WebSight: text = HTML, llm_generated_idea = description
-            r = {"problem_description": r.get("llm_generated_idea") or "A web page.", "ground_truth": r["text"]}
-        colbench.validate_task(r, "html", where=f"{path}:{line}")
-        tasks.append(dict(r, task_id=colbench.task_id(r)))
-    return tasks
-
-
 # ----------------------------------------------------------------------------------------------
 # LLM source (the paper's recipe over an OpenAI-compatible endpoint)
 # ----------------------------------------------------------------------------------------------
@@ -314,10 +293,6 @@ def main(args):
                 tasks.append(t)
         if args.task_type == "code":
             tasks = keep_runnable(tasks, args.workers)
-    elif args.source == "file" and args.task_type == "html":
-        if not args.input:
-            sys.exit("--source file needs --input PATH")
-        tasks = [t for t in load_html_tasks(args.input) if t["task_id"] not in exclude][: args.num_tasks or None]
     elif args.source == "file":
         if not args.input:
             sys.exit("--source file needs --input PATH")

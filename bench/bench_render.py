@@ -11,6 +11,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import render  # noqa: E402
+import colbench  # noqa: E402
 import generate_tasks  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__)
@@ -18,7 +19,7 @@ p.add_argument("--tasks", default="")
 p.add_argument("--num_pages", type=int, default=40)
 p.add_argument("--clip_model", default="")
 a = p.parse_args()
-pages = [t["ground_truth"] for t in generate_tasks.load_html_tasks(a.tasks)] if a.tasks else \
+pages = [t["ground_truth"] for t in colbench.load_tasks(a.tasks, "html")] if a.tasks else \
     [generate_tasks.procedural_page(random.Random(i))["ground_truth"] for i in range(a.num_pages)]
 for workers in (1, 2):
     with render.RenderPool(workers) as pool:

@@ -133,11 +133,11 @@ def test_procedural_pages_are_deterministic_and_import_websight(tmp_path):
         assert 2 <= len(hidden) <= 3 and len(colbench.design_of(t)) == 5
         assert not any(f in t["problem_description"] for f in hidden)
     (tmp_path / "ws.jsonl").write_text(json.dumps({"text": a[0]["ground_truth"], "llm_generated_idea": "A page."}) + "\n")
-    (t,) = generate_tasks.load_html_tasks(tmp_path / "ws.jsonl")
+    (t,) = colbench.load_tasks(tmp_path / "ws.jsonl", "html")
     assert t["problem_description"] == "A page." and t["ground_truth"] == a[0]["ground_truth"]
     (tmp_path / "bad.jsonl").write_text(json.dumps({"problem_description": "x"}) + "\n")
     with pytest.raises(common.DataError, match="bad.jsonl:1: missing field 'ground_truth'"):
-        generate_tasks.load_html_tasks(tmp_path / "bad.jsonl")
+        colbench.load_tasks(tmp_path / "bad.jsonl", "html")
 
 
 def test_html_rollout_and_evaluation_end_to_end(tiny_model, simulator_url, tmp_path):

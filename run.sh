@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 TASK_TYPE=${TASK_TYPE:-code}          # code | html
 TRAIN_TASKS=${TRAIN_TASKS:-} TEST_TASKS=${TEST_TASKS:-}  # ColBench data (a JSONL or a `datasets` folder) instead of procedural tasks
-[ "${SMALL:-0}" = 1 ] && . config/small.sh
+[ "${SMALL:-0}" = 1 ] && . config/small.sh  # small sizes: a check that the loop runs
 [ -n "$TRAIN_TASKS$TEST_TASKS" ] && . config/colbench.sh
 [ "$TASK_TYPE" = html ] && . config/html.sh
 MODEL=${MODEL:-embedded}              # the starting policy (HF path or id)

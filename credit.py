@@ -1,22 +1,11 @@
-"""Turn-credit diagnostics: how well a critic assigns credit to turns, checked against ground truth.
-Apart from label_turns.py's sample -> score -> pair, which only calls in here.
+"""Turn-credit diagnostics: how well a critic ranks candidate turns, checked against ground truth.
+A library of label_turns.py (which writes PAIRS.credit.json) and evaluate.py (which reports it).
 
 On procedural tasks the scripted human's facts give every candidate turn a true class: on code
-(colbench.turn_class) a question that reveals an unknown fact, or an answer that passes the tests,
-is good; on frontend pages (colbench.design_turn_class) a question or a shown draft that reveals an
-unknown design fact, or an answer whose render matches every design fact. label_turns stores them in
-PAIRS.states.jsonl with every critic's advantages; here each critic is scored on every two candidates
-of a state whose classes differ (turn-credit accuracy), and the DPO pairs are counted as the true
-classes call them: right, wrong, or same class. Beside the critics stands the best fixed order of
-turn kinds (say draft > question > answer, in every state): what a blanket preference earns without
-reading the state, the baseline a critic's accuracy should clear.
-
-A library of label_turns.py (which writes PAIRS.credit.json) and evaluate.py (which reports it beside the
-results, from PAIRS.states.jsonl, also after `cat` of shard files), not a stage.
-
-Deviations from the paper: none to speak of, as the paper has no such diagnostic; it measures a
-critic only by the policy it trains. True classes need the procedural tasks' scripted facts, so
-ColBench's own tasks get no credit report.
+(colbench.turn_class) a question that reveals an unknown fact, or an answer that passes the tests, is
+good; on pages (colbench.design_turn_class) a question or a draft that reveals an unknown design
+fact, or an answer whose render matches every design fact. A critic is scored on every two
+candidates of a state whose classes differ, beside the best state-blind order of turn kinds.
 """
 from __future__ import annotations
 

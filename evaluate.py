@@ -1,23 +1,18 @@
-"""Grade trajectories and print the ColBench table.
+"""Grade trajectories and print the ColBench table; or compare graded runs with paired intervals.
 
-Reads:  trajectories JSONL in the released schema (only `task`, `dialogue_history` and `answer` are
-        required; `task_id` and `sample` are derived when absent), e.g. rollout.py's output or the
-        public offline set. Writes: the same rows plus `reward` (fraction of tests passed),
-        `success`, `tests_passed`, `tests_total`, `timeouts`, `verdicts` (per test: pass, wrong,
-        exception, timeout, crash, unencodable or infrastructure); optionally a summary JSON.
+Reads:  trajectories JSONL in the released schema (task, dialogue_history and answer; task_id and
+        sample derived when absent). Writes: the same rows plus reward (share of tests passed; html:
+        the similarity of the rendered answer and target), success, tests_passed, tests_total,
+        timeouts and verdicts (pass | wrong | exception | timeout | crash | unencodable |
+        infrastructure, per test); optionally a summary JSON.
 
-    python evaluate.py --input runs/test_rollouts.jsonl --output runs/test_graded.jsonl --k 4 --summary runs/test_summary.json
+    python evaluate.py --input runs/test_rollouts.jsonl --output runs/test_graded.jsonl --k 4 --summary runs/s.json
     python evaluate.py ... --released_semantics     # the released grader's quirks, for published numbers
+    python evaluate.py --compare zero_shot=A_GRADED,sweet_rl=B_GRADED --summary runs/results.json
 
-Every ground truth and answer runs in a sandboxed child process (sandbox.run_calls); the ground
-truth once per task. Grading runs in parallel across cores.
-
-Deviations from the released grader (the default):
-1. Code is exec'd at module level, so top-level imports, helper functions and recursion work
-   (the released grader exec'd inside a function, where they raise NameError).
-2. No substring blacklist: safety comes from the sandbox, not from zeroing answers that mention
-   `import os` or `exit(`. `--released_semantics` restores both quirks, with the released blacklist
-   (sandbox.RELEASED_BLACKLIST), fence rule and 1 s per answer test.
+Every ground truth and answer runs in a sandboxed child process (sandbox.run_calls), the ground truth
+once per task. Code is exec'd at module level and no substring blacklist applies (the released
+grader's quirks, restored by --released_semantics; docs/grader.md).
 """
 from __future__ import annotations
 

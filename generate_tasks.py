@@ -1,37 +1,26 @@
 r"""Make ColBench task files (the public JSONL format, one task per line).
 
-Reads: nothing (procedural), a ColBench JSONL / `datasets` directory (file), or seed texts (llm).
+Reads: nothing (procedural), or a ColBench JSONL / `datasets` directory (file).
 Writes: JSONL with problem_description, hidden_information, ground_truth, test_cases (+ task_id);
-        for --task_type html: problem_description and ground_truth (the target HTML), and for
-        procedural pages hidden_information (the hidden design facts).
+        html: problem_description and ground_truth (the target page), and for procedural pages
+        hidden_information (the hidden design facts).
 
     python generate_tasks.py --task_type code --source procedural --num_tasks 200 --seed 1 --output data/test.jsonl
     python generate_tasks.py --task_type code --source procedural --num_tasks 1000 --seed 0 \
         --exclude data/test.jsonl --output data/train.jsonl
-    python generate_tasks.py --task_type code --source file --input colbench_backend.jsonl --output data/tasks.jsonl
-    python generate_tasks.py --task_type code --source llm --endpoint http://localhost:8000 --model M \
-        --seed_texts texts.txt --num_tasks 100 --output data/llm.jsonl
+    python generate_tasks.py --task_type code --source file --input colbench_backend.jsonl --num_tasks 0 --output data/tasks.jsonl
     python generate_tasks.py --task_type html --source procedural --num_tasks 50 --seed 1 --output data/html_test.jsonl
-    python generate_tasks.py --task_type html --source file --input websight_dir_or.jsonl --output data/html.jsonl
 
-Deviations from the paper:
-1. `procedural` is ours: an offline generator of small personalised functions whose hidden facts
-   are written as plain sentences a person would know (the public data stores the ground-truth
-   code itself as hidden information). Its tasks are easy enough for a 135M model. Procedural
-   frontend pages are ours too: five design facts, 2-3 of them hidden (the public frontend data
-   has no hidden information; its human only compares renders).
-2. Every ground truth is run in the sandboxed grader; tasks whose ground truth errors or returns
-   None on any test are dropped (the paper drops tasks whose ground truth fails to run).
+Procedural tasks are ours (docs/curriculum.md): small personalised functions whose hidden facts are
+plain sentences, and pages with five design facts, 2-3 of them hidden. Every procedural ground truth
+runs in the sandboxed grader; a task whose ground truth errors or returns None on a test is dropped.
 """
 from __future__ import annotations
 
-import json
 import random
-import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 from tqdm import tqdm
 
@@ -47,7 +36,7 @@ class Args:
     task_type: str = "code"
     """code (backend programming) | html (frontend design)"""
     source: str = "procedural"
-    """procedural | file | llm"""
+    """procedural | file"""
     num_tasks: int = 100
     """how many tasks to write (file: at most this many; 0 = all)"""
     seed: int = 0
@@ -56,12 +45,6 @@ class Args:
     """file source: a ColBench JSONL or a `datasets` directory saved on disk"""
     exclude: str = ""
     """drop any task that also appears (same task_id) in these task files (comma-separated), e.g. the test split"""
-    endpoint: str = ""
-    """llm source: base URL of an OpenAI-compatible server"""
-    model: str = ""
-    """llm source: model name on that server (default: the server's first model)"""
-    seed_texts: str = ""
-    """llm source: a text file, one seed text per line (web text the task is built around)"""
     workers: int = 8
     """parallel sandboxed checks of ground truths"""
 
@@ -226,40 +209,6 @@ def procedural_page(rng):
 
 
 # ----------------------------------------------------------------------------------------------
-# LLM source (the paper's recipe over an OpenAI-compatible endpoint)
-# ----------------------------------------------------------------------------------------------
-LLM_PROMPT = """Here is a piece of text written by a person:
-
-{seed_text}
-
-Imagine this person asks an assistant to write a small Python function that is personalised to
-them. Reply with JSON only, with these keys:
-"ground_truth": the Python source of the function, with personalised details;
-"hidden_information": the details only this person knows, one short sentence per line;
-"problem_description": a vague request for the function, as the person would write it, that ends with
-"The signature of the function is: def ..." (the function's signature);
-"test_cases": an object with 10 entries "test1".."test10", each a Python call expression of the function."""
-
-
-def parse_llm_task(text):
-    """Pull the JSON object out of a model reply; None when it is not a usable task."""
-    m = re.search(r"\{.*\}", text, re.S)
-    if not m:
-        return None
-    try:
-        t = json.loads(m.group(0))
-    except json.JSONDecodeError:
-        return None
-    if isinstance(t.get("test_cases"), list):
-        t["test_cases"] = {f"test{i + 1}": c for i, c in enumerate(t["test_cases"])}
-    try:
-        colbench.validate_task(t, "code")
-    except common.DataError:
-        return None
-    return {k: t[k] for k in ("problem_description", "hidden_information", "ground_truth", "test_cases")}
-
-
-# ----------------------------------------------------------------------------------------------
 def ground_truth_runs(task):
     """True when the ground truth returns a non-None value on every test (sandboxed)."""
     res = sandbox.run_calls(task["ground_truth"], list(task["test_cases"].items()))
@@ -298,19 +247,8 @@ def main(args):
             sys.exit("--source file needs --input PATH")
         tasks = [t for t in colbench.load_tasks(args.input, args.task_type) if t["task_id"] not in exclude]
         tasks = tasks[: args.num_tasks or None]
-    elif args.source == "llm" and args.task_type == "code":
-        if not (args.endpoint and args.seed_texts):
-            sys.exit("--source llm needs --endpoint URL and --seed_texts FILE")
-        texts = [l.strip() for l in Path(args.seed_texts).read_text().splitlines() if l.strip()]
-        random.Random(args.seed).shuffle(texts)
-        client = common.ChatClient(args.endpoint, args.model or None)
-        replies = client.chat_many([[{"role": "user", "content": LLM_PROMPT.format(seed_text=s)}]
-                                    for s in texts[: args.num_tasks]], temperature=0.0, max_tokens=2048)
-        parsed = [t for t in map(parse_llm_task, replies) if t]
-        print(f"{len(parsed)}/{len(replies)} replies parsed as tasks", file=sys.stderr)
-        tasks = [dict(t, task_id=colbench.task_id(t)) for t in keep_runnable(parsed, args.workers)]
     else:
-        sys.exit(f"--source {args.source}: choose procedural, file or llm (llm: code tasks only)")
+        sys.exit(f"--source {args.source}: choose procedural or file")
     common.write_jsonl(args.output, tasks)
     print(f"wrote {len(tasks)} tasks to {args.output}")
 

@@ -1,44 +1,21 @@
 """Label turns with the critic: sample candidate turns per state, rank them, write turn-level pairs.
 
 Reads:  graded trajectories JSONL (each stored agent `input` is a state o_t) and the critic from
-        train_critic.py (its run_settings.json names pi_ref, and whether it sees c).
-Writes: PAIRS JSONL, one pair a line: prompt, chosen, rejected, chosen_advantage,
-        rejected_advantage, task_id, sample, turn; and PAIRS.states.jsonl, one labelled state a line
-        (all candidates and advantages, and which the token cap cut off; it marks the state done, so a rerun
-        resumes).
+        train_critic.py (its run_settings.json names pi_ref, beta, and whether it sees c).
+Writes: PAIRS JSONL, one pair a line (prompt, chosen, rejected, their advantages, task_id, sample,
+        turn), and PAIRS.states.jsonl, one labelled state a line (every candidate, its advantage, and
+        whether the token cap cut it off); a state's row marks it done, so a rerun resumes.
 
     python label_turns.py --trajectories runs/train_graded.jsonl --critic runs/critic --output runs/pairs.jsonl
     python label_turns.py ... --agent_backend vllm --policy meta-llama/Llama-3.1-8B-Instruct
     torchrun --nproc_per_node 8 label_turns.py ...    # states split over ranks; cat the shard files
 
-For each state o_t (the paper, arXiv 2503.15478, Sec. 4): sample N candidate turns a from the policy; score each with
-    advantage(a) = mean over a's tokens of [log pi_critic(a | c, o_t) - log pi_ref(a | c, o_t)]
-(pi_ref by its own forward pass, never the sampler's log-probs, whose meaning changes with
-temperature and vLLM version). Per state, up to pairs_per_state distinct pairs, each joining a
-candidate of the better half by advantage to one of the worse half (the higher one is chosen); the
-pairs with the largest advantage gaps are taken first, so the first pair is best against worst.
-
-Sampling is batched: the N candidates of --state_batch states are one batch (hf: each state's
-prompt runs once for its N samples, and a finished candidate leaves the batch; models.HFSampler).
-Scoring shares work: the prompt (c + o_t) is run once, and the N candidates run on its KV cache in
-batches of similar length (common.shared_prompt_logprobs); it equals naive one-by-one scoring
-(tests check 1e-4): train_critic.candidate_advantages.
-
-Turn-credit accuracy (procedural code tasks and pages; credit.py, apart from the algorithm): every candidate's
-true class is stored in the states file beside every critic's advantages (--critic and
---credit_critics), and PAIRS.credit.json says how often each critic ranks a good turn above a bad one.
-
-Deviations from the paper / released code:
-1. pi_ref sees the same input as the critic (c + o_t), as in the critic's own objective (the released
-   code used the sampler's log-probs, without c).
-2. Identical candidates are never paired.
-3. The advantage is train_critic.turn_advantage, with the critic's beta (from its run_settings.json).
-4. The released code draws each pair at random from the two halves (or takes best against worst);
-   here the largest gaps come first. On the states of two embedded runs this kept the number of
-   pairs and cut the pairs the true classes call wrong from 22 to 14 and from 7 to 3 (docs/curriculum.md).
-5. A candidate the token cap (--max_new_tokens) cut off is never chosen over one that ended its turn (ours):
-   DPO trains a turn with its end-of-turn token, which the policy never picked there, and a cut page or
-   draft is broken, so it teaches the policy to end turns mid-page.
+For each state o_t (the paper, arXiv 2503.15478, Sec. 4): sample N candidate turns a from the policy,
+score each with train_critic.candidate_advantages,
+    A(a) = beta * mean over a's tokens of [log pi_critic(a | c, o_t) - log pi_ref(a | c, o_t)],
+and pair a candidate of the better half with one of the worse half, the largest gaps first. On
+procedural tasks every candidate's true class is stored too, with the advantages of the critics of
+--credit_critics, for the turn-credit diagnostics (credit.py; PAIRS.credit.json).
 """
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """Roll out an agent collaborating with a simulated human on ColBench tasks.
 
-Reads:  tasks JSONL (generate_tasks.py). Talks to: the simulated human over HTTP (simulator.py or
-        `vllm serve`; for --task_type html a vision-language model, e.g. `vllm serve Qwen2-VL-7B-Instruct`,
-        shown the agent's rendered snippet and the target page as images). Writes: trajectories JSONL in the released schema, one dialogue a line:
-        task, dialogue_history (assistant entries also carry `input`, the exact prompt string after
-        the chat template, and `output`, the exact generated text), answer, + task_id, sample,
-        num_turns, finish (answered | max_turns | error).
+Reads:  tasks JSONL (generate_tasks.py); talks to the simulated human over HTTP (simulator.py, or
+        `vllm serve` of an LLM; for html a vision-language model shown the agent's rendered page and
+        the target). Writes: trajectories JSONL in the released schema, one dialogue a line: task,
+        dialogue_history (agent entries also carry `input`, the exact prompt after the chat template,
+        and `output`, the exact generated text), answer, task_id, sample, num_turns, finish
+        (answered | max_turns | error).
 
     python simulator.py --port 8000 &
     python rollout.py --tasks data/test.jsonl --output runs/test_rollouts.jsonl --samples 4
@@ -13,22 +13,10 @@ Reads:  tasks JSONL (generate_tasks.py). Talks to: the simulated human over HTTP
     python rollout.py ... --shard 0/4          # or under torchrun: shard = RANK/WORLD_SIZE
     python rollout.py --prefixes dialogues.jsonl --output runs/continued.jsonl ...   # go on with given dialogues
 
-Rerunning on the same output resumes: dialogues already written are skipped, and those that ended
-with finish=error (e.g. the simulator failed for longer than --simulator_retry_s) are redone.
-Shards write OUTPUT.shard-i-of-n; `cat` them to merge.
-
-Deviations from the paper / released code:
-1. The agent's and the human's prompts are ours (same protocol: short questions, at most 10 agent
-   turns, the final answer after `I WANT TO ANSWER:`). The marker is accepted anywhere in a turn.
-   `--prompt_dir` replaces them with a folder's templates, in the released message format (the agent
-   template is the system message verbatim; the code human gets a generic system line and one user
-   message with its template filled and the whole transcript). Pointed at a released checkout's
-   prompts/, this reproduces the released prompts.
-2. Batching is continuous at turn granularity: the current turn of every active dialogue is one
-   padded `generate` call; a finished dialogue's slot is refilled at once.
-3. `--agent_backend oracle` is ours: a scripted agent that asks for each hidden fact (html: asks, or
-   shows a draft), then answers with the ground truth. It proves tasks are solvable through dialogue and produces the
-   warm-up data for the embedded 135M model (docs/curriculum.md).
+A rerun resumes: finished dialogues are skipped, those that ended with finish=error are redone.
+Batching is continuous at turn granularity. `--agent_backend oracle` is a scripted agent that asks
+for each hidden fact, then answers with the ground truth: it proves the tasks solvable and writes
+the embedded model's warm-up dialogues (docs/curriculum.md).
 """
 from __future__ import annotations
 

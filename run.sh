@@ -143,6 +143,6 @@ for m in $METHODS; do name=${m%%:*} policy=${m#*:} ref=()
 done
 log "results ($RUN)"; "$PY" evaluate.py --compare "$(IFS=,; echo "${runs[*]}")" --policies "$(IFS=,; echo "${pols[*]}")" \
   --credit "$RUN/pairs.jsonl" --summary "$RUN/results.json" | tee "$RUN/results.txt"
-"$PY" view.py --plots "$RUN"  # the teaching views: plots of results and training, and the trajectory viewer
+# the teaching view: every test dialogue with its turns coloured by the critic, and the labelled states
 "$PY" view.py --trajectories "$(IFS=,; echo "${runs[*]}"),train=$G" --states "$RUN/pairs.jsonl.states.jsonl" \
   --critic "$RUN/critic" --task_type "$TASK_TYPE" --max_dialogues 40 --output "$RUN/report.html" && echo "open $RUN/report.html"

@@ -18,7 +18,7 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-if ! .venv/bin/python -c "import torch, transformers, gguf, datasets, requests, tqdm, pytest, matplotlib" 2>/dev/null \
+if ! .venv/bin/python -c "import torch, transformers, gguf, datasets, requests, tqdm, pytest" 2>/dev/null \
    || [ requirements.txt -nt .venv/.installed ]; then
   .venv/bin/pip install -q --disable-pip-version-check -r requirements.txt
   touch .venv/.installed

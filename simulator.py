@@ -1,52 +1,32 @@
-"""The embedded simulated human: an OpenAI-compatible server on localhost, so rollout.py talks to it
-exactly as it would to `vllm serve meta-llama/Llama-3.1-70B-Instruct`.
-
-Serves GET /v1/models, POST /v1/chat/completions (the human) and POST /v1/completions (raw prompt
-completion, a string or token ids, hf backend only; lets the `openai` agent backend be tested against
-it). Replies carry `usage` (hf: tokens; scripted: words and punctuation marks, it has no tokenizer);
-`"stream": true` is answered as the OpenAI API does, with server-sent events (the reply in one chunk).
+"""The embedded simulated human: an OpenAI-compatible server on localhost (GET /v1/models, POST
+/v1/chat/completions), so rollout.py talks to it exactly as it would to `vllm serve
+meta-llama/Llama-3.1-70B-Instruct`. Replies carry `usage` in words and punctuation marks.
 
     python simulator.py                          # scripted human on http://127.0.0.1:8000/v1
     python simulator.py --port 0                 # any free port; the URL is printed when ready
-    python simulator.py --backend hf --model PATH_OR_ID
 
-Backends:
-- scripted (default; deterministic, instant on CPU): reads the hidden information out of the
-  human prompt (colbench.HUMAN_PROMPT, or with --prompt_dir the folder's code human template, in
-  the released format) and answers the agent's last message with at most two
-  hidden-information lines that share the most words with it (for code hidden information, the
-  most relevant code lines), or says it doesn't know. Asked for a task in the JSON format of
-  generate_tasks.LLM_PROMPT, it returns a procedural task, so the `llm` task source can be tested
-  offline.
-  Given images and hidden design facts (procedural pages, colbench.DESIGN_FACTS; ours), it quotes
-  the most important hidden fact a shown draft gets wrong (else the first fact of its request that
-  the draft breaks; read from the draft's pixels), or answers a text question with the hidden lines
-  it matches, as on code: one thing at a time.
-  Given images only (the frontend human of ColBench: the agent's render, if any, then the target),
-  it is a deterministic design critic: it compares the pixels (page, header and footer colours, the stack
-  of colour blocks, alignment, height) and names the most outstanding differences in at most three
-  sentences.
-- hf: a local transformers chat model, greedy (temperature 0 in the paper); text only.
+The scripted human (deterministic, instant on CPU) reads the hidden information out of the human
+prompt (colbench.HUMAN_PROMPT, or with --prompt_dir the folder's code human template, in the
+released format) and answers the agent's last message with at most two hidden lines that share the
+most words with it, or says it doesn't know. On procedural pages (colbench.DESIGN_FACTS) it quotes
+the most important hidden fact a shown draft gets wrong, read from the draft's pixels. Given images
+only (ColBench's own frontend tasks), it compares the agent's render with the target's pixels and
+names the most outstanding differences in at most three sentences.
 
-Deviations from the paper:
-1. The scripted human replaces Llama-3.1-70B on CPU; it never paraphrases and answers only when
-   the question shares words with a hidden fact.
+Deviation from the paper: the scripted human replaces Llama-3.1-70B on CPU; it never paraphrases and
+answers only when the question shares words with a hidden fact.
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import random
 import re
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import colbench
 import common
-import models
 import render
 
 
@@ -56,26 +36,8 @@ class Args:
     """interface to listen on"""
     port: int = 8000
     """port (0 = pick a free one)"""
-    backend: str = "scripted"
-    """scripted | hf"""
-    model: str = ""
-    """hf backend: a local chat model path or id ('embedded' = SmolLM2-135M-Instruct)"""
-    max_new_tokens: int = 128
-    """hf backend: longest reply"""
     prompt_dir: str = ""
-    """scripted backend: the folder of prompt templates rollout.py uses (--prompt_dir), to find the hidden information"""
-
-
-def scripted_task_writer(prompt):
-    """Stand-in for an LLM asked for a task as JSON (lets generate_tasks.py's llm source run offline):
-    a small fee task whose constants are seeded by the prompt."""
-    rng = random.Random(int(hashlib.sha1(prompt.encode()).hexdigest()[:8], 16))
-    base, per = rng.randint(2, 30), rng.randint(2, 25)
-    return json.dumps({"ground_truth": f"def ride_cost(km):\n    return {base} + {per} * km\n",
-                       "hidden_information": f"A ride starts at {base} dollars.\nEach km adds {per} dollars.",
-                       "problem_description": "Write a function for the price of a taxi ride. "
-                                              "The signature of the function is: def ride_cost(km)",
-                       "test_cases": {f"test{i + 1}": f"ride_cost({k})" for i, k in enumerate([0, 1, 2, 3, 5, 8, 10, 15, 20, 40])}})
+    """the folder of prompt templates rollout.py uses (--prompt_dir), to find the hidden information"""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -161,7 +123,7 @@ class ScriptedBackend:
     def __init__(self, human_template=None):
         self.human_template = human_template  # --prompt_dir: the hidden information is inside this template
 
-    def chat(self, messages, max_tokens):
+    def chat(self, messages):
         system = next((m["content"] for m in messages if m["role"] == "system"), "")
         last = messages[-1]["content"] if messages else ""
         hidden = colbench.parse_hidden_information(system)
@@ -182,49 +144,10 @@ class ScriptedBackend:
             hidden, last = parsed
         if hidden is not None:
             return colbench.scripted_reply(hidden, last)
-        if '"test_cases"' in last and "ground_truth" in last:
-            return scripted_task_writer(last)
         return "I don't know, sorry."
 
-    def complete(self, prompt, max_tokens, temperature):
-        raise ValueError("the scripted backend serves only /v1/chat/completions")
 
-
-class HFBackend:
-    def __init__(self, model):
-        import torch
-        from transformers import AutoModelForCausalLM
-        self.torch = torch
-        self.name = model
-        self.tok = models.load_tokenizer(model)
-        self.model = AutoModelForCausalLM.from_pretrained(models.resolve_model(model), dtype=torch.float32).eval()
-        self.lock = threading.Lock()  # one generation at a time; requests queue up
-
-    def count(self, text):
-        return len(self.tok(text, add_special_tokens=False)["input_ids"])
-
-    def complete(self, prompt, max_tokens, temperature=0.0):
-        """prompt: a string (tokenised as given, no special tokens added) or a list of token ids.
-        Returns (text, finish_reason): "length" when max_tokens cut the text off, else "stop"."""
-        if isinstance(prompt, list):
-            if not all(isinstance(t, int) for t in prompt):
-                raise ValueError("prompt: a string or a list of token ids")
-            ids = {"input_ids": self.torch.tensor([prompt]), "attention_mask": self.torch.ones(1, len(prompt), dtype=self.torch.long)}
-        else:
-            ids = self.tok(prompt, return_tensors="pt", add_special_tokens=False)
-        end = models.end_tokens(self.tok)  # generation stops on the tokens that tell a cut-off text from an ended one
-        with self.lock, self.torch.no_grad():
-            out = self.model.generate(**ids, max_new_tokens=max_tokens, do_sample=temperature > 0,
-                                      temperature=temperature or None, top_p=None, top_k=None,
-                                      eos_token_id=sorted(end), pad_token_id=self.tok.pad_token_id)
-        new = out[0, ids["input_ids"].shape[1]:].tolist()
-        return self.tok.decode(new, skip_special_tokens=True), "length" if models.cut_off(new, end) else "stop"
-
-    def chat(self, messages, max_tokens):
-        return self.complete(models.render_prompt(self.tok, messages), max_tokens)[0].strip()
-
-
-def make_handler(backend, default_max_tokens):
+def make_handler(backend):
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a):  # quiet: one line per request would flood a rollout's terminal
             pass
@@ -244,64 +167,39 @@ def make_handler(backend, default_max_tokens):
                 self.send_json(404, {"error": {"message": f"no route {self.path}"}})
 
         def do_POST(self):
+            if self.path.rstrip("/") != "/v1/chat/completions":
+                return self.send_json(404, {"error": {"message": f"no route {self.path}: this server answers only "
+                                                                 f"/v1/chat/completions"}})
             try:
                 req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-                max_tokens = req.get("max_tokens") or default_max_tokens
-                chat = self.path.rstrip("/") == "/v1/chat/completions"
-                finish = "stop"  # a chat reply (the human's) is never reported cut
-                if chat:
-                    text = backend.chat(req["messages"], max_tokens)
-                    prompt = [m["content"] for m in req["messages"]]
-                elif self.path.rstrip("/") == "/v1/completions":
-                    text, finish = backend.complete(req["prompt"], max_tokens, req.get("temperature", 0.0))
-                    prompt = req["prompt"]
-                else:
-                    return self.send_json(404, {"error": {"message": f"no route {self.path}"}})
-                n_prompt = len(prompt) if prompt and isinstance(prompt[0], int) else backend.count(json.dumps(prompt))
+                if req.get("stream"):
+                    raise ValueError("stream=true is not served")
+                text = backend.chat(req["messages"])
+                n_prompt = backend.count(json.dumps([m["content"] for m in req["messages"]]))
             except (KeyError, ValueError, TypeError) as e:
                 return self.send_json(400, {"error": {"message": f"bad request: {e}"}})
             usage = {"prompt_tokens": n_prompt, "completion_tokens": backend.count(text)}
-            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-            head = {"id": f"cmpl-{time.time_ns()}", "created": int(time.time()), "model": backend.name}
-            if not req.get("stream"):
-                choice = {"index": 0, "finish_reason": finish,
-                          **({"message": {"role": "assistant", "content": text}} if chat else {"text": text})}
-                return self.send_json(200, {**head, "object": "chat.completion" if chat else "text_completion",
-                                            "choices": [choice], "usage": usage})
-            # server-sent events, as the OpenAI API streams: the reply, the end, then usage if asked for
-            kind = "chat.completion.chunk" if chat else "text_completion"
-            part = lambda d, end: {"index": 0, "finish_reason": end, **({"delta": d} if chat else {"text": d.get("content", "")})}
-            events = [{**head, "object": kind, "choices": [part({"role": "assistant", "content": text}, None)]},
-                      {**head, "object": kind, "choices": [part({}, finish)]}]
-            if (req.get("stream_options") or {}).get("include_usage"):
-                events.append({**head, "object": kind, "choices": [], "usage": usage})
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.end_headers()  # HTTP/1.0: the stream ends when the connection closes
-            for e in events:
-                self.wfile.write(f"data: {json.dumps(e)}\n\n".encode())
-            self.wfile.write(b"data: [DONE]\n\n")
+            self.send_json(200, {"id": f"cmpl-{time.time_ns()}", "created": int(time.time()), "model": backend.name,
+                                 "object": "chat.completion", "usage": dict(usage, total_tokens=sum(usage.values())),
+                                 "choices": [{"index": 0, "finish_reason": "stop",
+                                              "message": {"role": "assistant", "content": text}}]})
     return Handler
 
 
 def serve(args):
     template = colbench.load_prompts(args.prompt_dir, "code")["human"] if args.prompt_dir else None
-    backend = ScriptedBackend(template) if args.backend == "scripted" else HFBackend(args.model or models.EMBEDDED)
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(backend, args.max_new_tokens))
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(ScriptedBackend(template)))
     server.daemon_threads = True
     return server
 
 
 if __name__ == "__main__":
     args = common.parse_args(Args, __doc__)
-    if args.backend not in ("scripted", "hf"):
-        sys.exit(f"--backend {args.backend}: choose scripted or hf")
     try:
         server = serve(args)
     except common.DataError as e:
         sys.exit(f"error: {e}")
-    print(f"simulated human ({args.backend}) ready at http://{args.host}:{server.server_address[1]}/v1", flush=True)
+    print(f"simulated human ready at http://{args.host}:{server.server_address[1]}/v1", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

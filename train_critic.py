@@ -2,28 +2,19 @@
 
 Reads:  graded trajectories JSONL (evaluate.py output, or the public offline set graded).
 Writes: an HF checkpoint of the critic in --output_dir, run_settings.json (label_turns.py reads
-        it: pi_ref, beta, whether the critic sees the training-time information) and log.jsonl.
+        it: pi_ref, beta, whether the critic sees c), log.jsonl and final_metrics.json.
 
     python train_critic.py --trajectories runs/train_graded.jsonl --model embedded --output_dir runs/critic
     torchrun --nproc_per_node 8 train_critic.py ... --grad_ckpt       # FSDP2, same arguments
 
 The critic is a causal LM initialised from the policy (pi_ref); it reads the training-time
-information c (the ground truth) before the dialogue. For agent turn t (the paper, arXiv 2503.15478, Sec. 4):
+information c (the reference solution) before the dialogue. For agent turn t (the paper, arXiv
+2503.15478, Sec. 4):
     A(o_t, a_t, c) = beta * mean over the turn's tokens of [log pi_critic - log pi_ref]
     L_critic = -log sigmoid( sum_t A(o_t+, a_t+, c) - sum_t A(o_t-, a_t-, c) )
 Pairs: per task the best sample must succeed; every lower-reward sample is a rejected partner.
-
-Logged: loss; acc = share of pairs whose chosen score is higher; margin = score(chosen) -
-score(rejected); heldout_* the same on 10% of the tasks' pairs (held out, never trained on);
-tokens_per_s. final_metrics.json: the held-out pairs after training (+ every train pair with
---train_metrics).
-
-Deviations from the paper / released code:
-1. `--normalization trajectory` reproduces the released code: one mean over all agent tokens of
-   the trajectory instead of the sum of per-turn means (`turn`, the default, is the paper's).
-2. pi_ref's log-probs are computed once before training (it is frozen), not at every step.
-3. c is a plain-text block before the first stored prompt (the stored prompt is used as is).
-4. No NLL term in the critic's loss, as in the released critic command.
+Logged: loss, acc (share of pairs scored in the right order), margin, and heldout_* the same on the
+pairs of 10% of the tasks, never trained on.
 """
 from __future__ import annotations
 
@@ -189,15 +180,19 @@ def main(args):
     for t, ref_sum in zip(trajs, common.precompute(critic, trajs, ref_fn, rank, world)):
         t["ref_sum"] = ref_sum
 
-    def score(m, t):
-        """S(tau): the critic's score of one trajectory (equation 2's argument)."""
-        logp_sum, count = common.turn_logprobs(m, t["seqs"], len(t["turns"]))
-        return trajectory_score(logp_sum, torch.tensor(t["ref_sum"], device=logp_sum.device), count, args.beta,
-                                args.normalization)
+    def scores(m, pair):
+        """S(tau+), S(tau-): the critic's scores of a pair's trajectories (equation 2's arguments), one forward."""
+        chosen, rejected = pair
+        n = len(chosen["turns"])
+        logp_sum, count = common.turn_logprobs(m, common.both_trajectories(chosen["seqs"], n, rejected["seqs"]),
+                                               n + len(rejected["turns"]))
+        ref_sum = torch.tensor(chosen["ref_sum"] + rejected["ref_sum"], device=logp_sum.device)
+        return [trajectory_score(logp_sum[part], ref_sum[part], count[part], args.beta, args.normalization)
+                for part in (slice(0, n), slice(n, None))]
 
     def pair_loss(m, pair):
         """The loss of one pair (chosen, rejected), and its metrics."""
-        s_c, s_r = score(m, pair[0]), score(m, pair[1])
+        s_c, s_r = scores(m, pair)
         loss, diff = critic_loss(s_c, s_r), (s_c - s_r).detach()
         return loss, {"n": 1, "loss": loss.item(), "acc": float(diff > 0), "margin": diff.item(),
                       "tokens": sum(len(s[0]) for t in pair for s in t["seqs"])}
@@ -207,7 +202,7 @@ def main(args):
         if not eval_pairs:
             return {}
         critic.eval()
-        margin = lambda m, pair: (score(m, pair[0]) - score(m, pair[1])).item()
+        margin = lambda m, pair: (lambda s_c, s_r: (s_c - s_r).item())(*scores(m, pair))
         margins = torch.tensor(common.precompute(critic, eval_pairs, margin, rank, world, desc=f"{name} pairs"))
         critic.train()
         return {f"{name}_loss": F.softplus(-margins).mean().item(), f"{name}_acc": (margins > 0).float().mean().item(),

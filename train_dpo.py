@@ -1,9 +1,8 @@
 """Train the policy: SWEET-RL's turn-level DPO, or the paper's baselines.
 
 Reads:  --mode turn:       PAIRS JSONL from label_turns.py (prompt, chosen, rejected, ...)
-        --mode trajectory: graded trajectories (evaluate.py) -> trajectory pairs (multi-turn DPO)
-        --mode sft:        graded trajectories -> agent turns of successful ones (rejection fine-tuning;
-                           html: exact designs, or each task's best sample where pages have no design facts)
+        --mode trajectory: graded trajectories -> trajectory pairs (multi-turn DPO)
+        --mode sft:        graded trajectories -> agent turns of successful ones (rejection fine-tuning)
 Writes: an HF checkpoint in --output_dir (+ run_settings.json, log.jsonl).
 
     python train_dpo.py --pairs runs/pairs.jsonl --model embedded --output_dir runs/sweet
@@ -13,19 +12,8 @@ Writes: an HF checkpoint in --output_dir (+ run_settings.json, log.jsonl).
 
 The update (the paper, arXiv 2503.15478, Sec. 4), with logp = log pi(a|o) summed over the turn's tokens:
     L = -log sigmoid(beta * [logp(a+) - logp_ref(a+)] - beta * [logp(a-) - logp_ref(a-)]) + nll_coef * NLL(a+)
-NLL(a+) is the mean per-token negative log-likelihood of the chosen turn. The actor never sees the
-training-time information c. Reference log-probs come from one pass of the initial model before
-training (pi_ref = the starting policy); a turn-level pair's prompt runs once for both turns
-(common.shared_prompt_logprobs).
-
-Logged metrics (TRL's names): rewards/chosen = beta*(logp(a+)-logp_ref(a+)); rewards/rejected likewise;
-rewards/margins = chosen - rejected; rewards/accuracies = share of pairs with a positive margin;
-nll = NLL(a+); loss = the total loss; tokens_per_s = tokens forwarded per second (all ranks).
-
-Deviations from the paper / released code:
-1. Constant learning rate, no warm-up, AdamW's default betas (released: cosine to 0.1x, 3% warm-up, betas 0.9/0.95).
-2. `trajectory` pairs (multi-turn DPO) are built like the critic's (colbench.trajectory_pairs).
-3. `--sft_on all` (ours) fine-tunes on every dialogue: the embedded warm-up on oracle dialogues.
+The actor never sees c. pi_ref is the starting policy, scored once before training. Logged with
+TRL's names: rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies, nll, loss.
 """
 from __future__ import annotations
 
@@ -151,6 +139,7 @@ def main(args):
     if rank == 0:
         print(f"{len(examples)} examples for --mode {args.mode}", flush=True)
     shared = args.mode == "turn" and not args.grad_ckpt  # the fast path needs a KV cache: no checkpointing
+    forwards = 2 if shared else 1  # per example (the ranks' lock-step): the shared prompt, then both turns
     for ex in examples:  # tokenise once
         if shared:  # (prompt ids, [chosen ids, rejected ids]): the prompt runs once per pair
             ex["shared"] = common.encode_shared(tok, "", ex["prompt"], [ex["chosen"][0][1], ex["rejected"][0][1]], args.max_len)
@@ -171,12 +160,14 @@ def main(args):
             prompt_ids, turns = ex["shared"]
             sums, counts = common.shared_prompt_logprobs(m, prompt_ids, turns)
             return sums[0], sums[1], counts[0], len(prompt_ids) + sum(map(len, turns))
-        (logp_c, n_c), (logp_r, _) = (summed_logp(m, ex[side + "_seqs"], len(ex[side])) for side in ("chosen", "rejected"))
-        return logp_c, logp_r, n_c, sum(len(s[0]) for s in ex["chosen_seqs"] + ex["rejected_seqs"])
+        n = len(ex["chosen"])  # both trajectories in one forward
+        total, count = common.turn_logprobs(m, common.both_trajectories(ex["chosen_seqs"], n, ex["rejected_seqs"]),
+                                            n + len(ex["rejected"]))
+        return total[:n].sum(), total[n:].sum(), count[:n].sum(), sum(len(s[0]) for s in ex["chosen_seqs"] + ex["rejected_seqs"])
 
     if args.mode != "sft":  # pi_ref log-probs once, with the starting weights
         ref_fn = lambda m, ex: [x.item() for x in pair_logps(m, ex)[:2]]
-        for ex, (c, r) in zip(examples, common.precompute(model, examples, ref_fn, rank, world)):
+        for ex, (c, r) in zip(examples, common.precompute(model, examples, ref_fn, rank, world, forwards=forwards)):
             ex["ref_chosen"], ex["ref_rejected"] = c, r
 
     def sft_loss(m, ex):
@@ -221,7 +212,7 @@ def main(args):
                 loss = loss / len(batch)  # the step's gradient is the mean over the global batch
                 for k, v in {"n": 1, **metrics}.items():
                     sums[k] = sums.get(k, 0) + v
-            common.backward(model, loss, world, last=j == n_micro - 1)
+            common.backward(model, loss, world, last=j == n_micro - 1, forwards=forwards)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)

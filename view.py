@@ -1,26 +1,17 @@
-"""A trajectory viewer for teaching: one self-contained static HTML page (no server; opens offline).
+"""A trajectory viewer for teaching: one self-contained static HTML page (opens offline).
 
-Reads:  graded trajectories (evaluate.py output; several files, one per method, as NAME=FILE), and
-        optionally label_turns.py's PAIRS.states.jsonl (candidates, advantages, true classes; the
-        chosen/rejected pairs are read from PAIRS next to it) and a critic (train_critic.py output).
-Writes: one HTML file. Each dialogue is a chat; with --critic every agent turn is coloured by its
-        advantage A(o_t, a_t, c) from red (negative) through white to green (positive). At each
-        labelled state the candidate turns are listed by advantage, chosen and rejected marked, with
-        their ground-truth class on procedural tasks. Html tasks show the target and answer renders.
+Each dialogue is a chat; with --critic every agent turn is coloured by its advantage A(o_t, a_t, c)
+(train_critic.dialogue_advantages, the critic against its pi_ref on c + o_t: exactly what it
+learnt), red (negative) through white to green. With --states (label_turns.py's PAIRS.states.jsonl)
+each labelled state lists its candidate turns by advantage, chosen and rejected marked, with their
+true class on procedural tasks. Html tasks show the target and answer renders.
 
     python view.py --trajectories runs/default/test_sweet_rl_graded.jsonl --output report.html
-    python view.py --plots runs/default       # results.png and training.png from the run's results.json and logs
     python view.py --trajectories zero_shot=ZS_GRADED,sweet_rl=SWEET_GRADED --states RUN/pairs.jsonl.states.jsonl --critic RUN/critic --output report.html
-
-The advantage is train_critic.dialogue_advantages of the critic against its pi_ref (run_settings.json), on
-the same input the critic was trained on (c + o_t), so the colours are exactly what the critic learnt.
-
-Deviations: none (a teaching aid; no counterpart in the paper).
 """
 from __future__ import annotations
 
 import html
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,8 +27,6 @@ class Args:
     """graded trajectories: FILE, or NAME=FILE,NAME=FILE (one per method)"""
     output: str = ""
     """the HTML page to write"""
-    plots: str = ""
-    """a run.sh run directory: write RUN/results.png (from results.json) and RUN/training.png (from the trainers' log.jsonl)"""
     states: str = ""
     """label_turns.py's PAIRS.states.jsonl: candidate turns per labelled state"""
     critic: str = ""
@@ -140,54 +129,8 @@ for(const id of ['task','succ','method'])for(const ev of ['input','change'])docu
 </script></body></html>"""
 
 
-def plots(run):
-    """results.png: each method's success (frontend: similarity) with its 95% interval; training.png: the critic's loss and
-    pair accuracy (train and held out) and DPO's reward margins and accuracy, by step."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    run = Path(run)
-    logs = lambda d: [r for _, r in common.read_jsonl(run / d / "log.jsonl")] if (run / d / "log.jsonl").exists() else []
-    if (run / "results.json").exists():
-        res = json.loads((run / "results.json").read_text())
-        names = list(res["methods"])
-        score = "similarity" if "metric" in res else "success"  # frontend: similarity, its metric named
-        mid = [100 * res["methods"][n][score] for n in names]
-        err = [[m - 100 * res["methods"][n]["ci95"][0] for n, m in zip(names, mid)],
-               [100 * res["methods"][n]["ci95"][1] - m for n, m in zip(names, mid)]]
-        fig, ax = plt.subplots(figsize=(5.5, 3.5))
-        ax.bar(names, mid, yerr=err, capsize=6, color=["#999999"] + ["#2a7ab9"] * (len(names) - 1))
-        for i, m in enumerate(mid):
-            ax.text(i, m + 1, f"{m:.1f}%", ha="left", va="bottom", fontsize=9)
-        ax.set_ylabel(f"test similarity (%, {res['metric']})" if "metric" in res else "test success (%)")
-        ax.set_title(f"{res['num_test_tasks']} test tasks, 95% bootstrap intervals", fontsize=10)
-        fig.tight_layout()
-        fig.savefig(run / "results.png", dpi=90)
-        plt.close(fig)
-    critic, dpo = logs("critic"), logs("policy_sweet")
-    fig, axes = plt.subplots(2, 2, figsize=(9, 6))
-    for ax, key, title in ((axes[0, 0], "loss", "critic: Bradley-Terry loss"), (axes[0, 1], "acc", "critic: pair accuracy")):
-        ax.plot([r["step"] for r in critic], [r[key] for r in critic], label="train (batch)")
-        held = [r for r in critic if f"heldout_{key}" in r]
-        ax.plot([r["step"] for r in held], [r[f"heldout_{key}"] for r in held], "o-", label="held out")
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("step")
-        ax.legend(fontsize=8)
-    for ax, key, title in ((axes[1, 0], "rewards/margins", "turn-level DPO: reward margin"),
-                           (axes[1, 1], "rewards/accuracies", "turn-level DPO: reward accuracy")):
-        ax.plot([r["step"] for r in dpo], [r[key] for r in dpo])
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(run / "training.png", dpi=80)
-    plt.close(fig)
-    print(f"wrote {run / 'results.png'} and {run / 'training.png'}", file=sys.stderr)
-
-
 def main(args):
-    if args.plots:
-        return plots(args.plots)
-    common.refuse(not args.trajectories and "--trajectories is required (or --plots RUN_DIR)",
+    common.refuse(not args.trajectories and "--trajectories is required",
                   not args.output and "--output is required")
     files = dict(kv.split("=", 1) if "=" in kv else (Path(kv).stem.replace("_graded", ""), kv)
                  for kv in args.trajectories.split(","))

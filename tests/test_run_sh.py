@@ -77,7 +77,7 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
     train = json.loads((run / "train_summary.json").read_text())
     assert train["num_trajectories"] == 9 and 0 < train["success_rate"] < 1  # the oracle's complete dialogues succeed
     assert not (run / "train_rollouts.jsonl").exists()  # trained from the given trajectories, no train rollouts
-    assert (run / "report.html").exists() and (run / "results.png").exists()
+    assert (run / "report.html").exists()
     # a rerun finds everything done and redoes nothing
     p2 = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p2.returncode == 0 and "0 to run" in p2.stderr and "reusing" in p2.stdout

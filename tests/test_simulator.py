@@ -7,7 +7,6 @@ import pytest
 
 import colbench
 import common
-import models
 
 TASK = {"problem_description": "Label a score. The signature of the function is: def grade_exam(score)",
         "hidden_information": "A score of 62 or more gets the label 'gold'.\nA score below 62 gets the label 'silver'.\n"
@@ -110,36 +109,9 @@ def test_simulator_script_prints_its_url():
         p.kill()
 
 
-def test_hf_backend_serves_chat_and_completions_for_the_openai_agent(tiny_model, task_files, simulator_url, tmp_path):
-    """simulator.py --backend hf over real HTTP: chat for a human, raw completions for rollout's openai agent."""
-    import subprocess
-    import sys
-    from conftest import read_jsonl, run_script
-    p = subprocess.Popen([sys.executable, "simulator.py", "--port", "0", "--backend", "hf", "--model", tiny_model,
-                          "--max_new_tokens", "8"], cwd=common.Path(common.__file__).parent, stdout=subprocess.PIPE, text=True)
-    try:
-        url = p.stdout.readline().split("ready at ")[1].strip().removesuffix("/v1")
-        client = common.ChatClient(url)
-        assert client.model == tiny_model
-        assert isinstance(client.chat([{"role": "user", "content": "hello"}], max_tokens=4), str)
-        sampler = models.OpenAISampler(tiny_model, 0.0, 1.0, 5, 0, url)  # the tiny model never ends a turn
-        texts = sampler.generate(["Write f(x).", "Hi"])
-        assert len(texts) == 2 and sampler.cut == [True, True]
-        assert client.complete("Hi", max_tokens=3, choice=True)["finish_reason"] == "length"
-        train, _ = task_files
-        run_script("rollout.py", "--tasks", train, "--output", tmp_path / "r.jsonl", "--num_tasks", "2", "--max_turns", "2",
-                   "--agent_backend", "openai", "--agent_url", url, "--agent_model", tiny_model,
-                   "--simulator_url", simulator_url, "--max_new_tokens", "6", "--temperature", "0")
-        rows = read_jsonl(tmp_path / "r.jsonl")
-        assert len(rows) == 2 and all(m["input"].endswith("<|im_start|>assistant\n")
-                                      for r in rows for m in r["dialogue_history"] if m["role"] == "assistant")
-    finally:
-        p.kill()
-
-
-def test_official_openai_client_streams_and_gets_usage(simulator_url):
-    """simulator.py as a user's own tools see it: the official `openai` client lists models, gets a
-    reply with usage, and with stream=True gets the same reply as server-sent events (not an empty one)."""
+def test_official_openai_client_gets_usage(simulator_url):
+    """simulator.py as a user's own tools see it: the official `openai` client lists models and gets a
+    reply with usage; a streamed request is refused in words (HTTP 400), never answered empty."""
     import openai
     client = openai.OpenAI(base_url=simulator_url + "/v1", api_key="none", max_retries=0)
     assert [m.id for m in client.models.list()] == ["scripted-human"]
@@ -151,15 +123,12 @@ def test_official_openai_client_streams_and_gets_usage(simulator_url):
     assert "62" in text and reply.choices[0].finish_reason == "stop"
     assert reply.usage.prompt_tokens > 20 and reply.usage.completion_tokens > 3
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
-    chunks = list(client.chat.completions.create(model="scripted-human", messages=messages, temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
-    assert chunks[-1].usage.total_tokens == reply.usage.total_tokens
+    with pytest.raises(openai.BadRequestError, match="stream=true is not served"):
+        client.chat.completions.create(model="scripted-human", messages=messages, temperature=0, stream=True)
 
 
 def test_4xx_is_one_line_quoting_the_server(simulator_url, task_files, tiny_model, tmp_path):
-    """A request the server refuses (here /v1/completions, which the scripted human does not serve) is
+    """A request the server refuses (here /v1/completions, which the simulated human does not serve) is
     one ServerError line that quotes the server's message, at once (no retries), and a stage turns it
     into `error: ...` without a traceback."""
     import subprocess
@@ -168,14 +137,14 @@ def test_4xx_is_one_line_quoting_the_server(simulator_url, task_files, tiny_mode
     from conftest import ROOT
     client = common.ChatClient(simulator_url, retry_time=60)
     t0 = time.monotonic()
-    with pytest.raises(common.RequestRefused, match=r"HTTP 400: bad request: the scripted backend serves only "
+    with pytest.raises(common.RequestRefused, match=r"HTTP 404: no route /v1/completions: this server answers only "
                                                     r"/v1/chat/completions") as e:
         client.complete("hello")
-    assert e.value.status == 400 and "\n" not in str(e.value) and time.monotonic() - t0 < 5
+    assert e.value.status == 404 and "\n" not in str(e.value) and time.monotonic() - t0 < 5
     train, _ = task_files  # rollout with the scripted human as its (refusing) agent server
     p = subprocess.run([sys.executable, "rollout.py", "--tasks", str(train), "--output", str(tmp_path / "r.jsonl"),
                         "--num_tasks", "1", "--agent_backend", "openai", "--agent_url", simulator_url,
                         "--agent_model", tiny_model, "--simulator_url", simulator_url],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
-    assert p.stderr.strip().splitlines()[-1].startswith("error: POST ") and "HTTP 400: bad request" in p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith("error: POST ") and "HTTP 404: no route" in p.stderr

@@ -1,4 +1,4 @@
-"""Task files: procedural generation, import with errors naming file and line, the llm source."""
+"""Task files: procedural generation, import with errors naming file and line."""
 import json
 import random
 
@@ -75,15 +75,3 @@ def test_file_source_reads_jsonl_and_datasets_dirs(tmp_path):
     assert [{k: t[k] for k in tasks[0]} for t in out] == tasks and all(len(t["task_id"]) == 12 for t in out)
     datasets.Dataset.from_list([dict(t, test_cases=json.dumps(t["test_cases"])) for t in tasks]).save_to_disk(tmp_path / "ds")
     assert [t["task_id"] for t in colbench.load_tasks(tmp_path / "ds")] == [t["task_id"] for t in out]
-
-
-def test_llm_source_against_local_server(tmp_path, simulator_url):
-    (tmp_path / "seeds.txt").write_text("I run a bakery.\nI coach a football team.\nI collect stamps.\n")
-    run_script("generate_tasks.py", "--source", "llm", "--endpoint", simulator_url, "--seed_texts", tmp_path / "seeds.txt",
-               "--num_tasks", "3", "--output", tmp_path / "llm.jsonl")
-    out = read_jsonl(tmp_path / "llm.jsonl")
-    assert len(out) == 3 and all(sandbox.grade_code(t, t["ground_truth"])["success"] for t in out)
-    assert generate_tasks.parse_llm_task("no json here") is None
-    assert generate_tasks.parse_llm_task('{"ground_truth": "def f(): pass"}') is None
-
-

@@ -1,5 +1,5 @@
 """view.py: the static trajectory report opened in real headless Chromium (dialogues and coloured
-advantages present in the rendered page, a screenshot saved), and the run's PNG plots."""
+advantages present in the rendered page, a screenshot saved)."""
 import json
 import os
 
@@ -51,40 +51,3 @@ def test_report_in_a_real_browser(tiny_model, tmp_path):
         d.find_element("css selector", "#succ").send_keys("success")  # the outcome filter hides the failure
         assert d.execute_script("return [...document.querySelectorAll('.dlg')].filter(x => x.style.display != 'none').length") == 1
     assert Image.open(shot).size[0] == 1280
-
-
-def test_plots(tmp_path):
-    res = {"num_test_tasks": 10, "methods": {"zero_shot": {"success": 0.3, "ci95": [0.1, 0.5]},
-                                             "sweet_rl": {"success": 0.5, "ci95": [0.3, 0.7]}}}
-    (tmp_path / "results.json").write_text(json.dumps(res))
-    for d, lines in (("critic", [{"step": s, "loss": 0.69 - 0.01 * s, "acc": 0.5 + 0.05 * s,
-                                  **({"heldout_loss": 0.7, "heldout_acc": 0.6} if s % 2 == 0 else {})} for s in range(1, 7)]),
-                     ("policy_sweet", [{"step": s, "rewards/margins": 0.01 * s, "rewards/accuracies": 0.5} for s in range(1, 5)])):
-        (tmp_path / d).mkdir()
-        (tmp_path / d / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-    run_script("view.py", "--plots", tmp_path)
-    for name in ("results.png", "training.png"):
-        im = Image.open(tmp_path / name)
-        assert im.size[0] > 300 and len(set(im.convert("L").tobytes())) > 10  # a real drawing, not a blank canvas
-
-
-def test_advantages_of_a_top_layer_critic_on_the_shared_bottom(tiny_model, tmp_path):
-    """A critic trained with --train_layers 1 (only its top layer moved): view.turn_advantages runs the
-    shared bottom layer once for it and pi_ref, and gives the advantages of the whole models."""
-    import view
-    tok = models.load_tokenizer(tiny_model)
-    rows = [make_traj(tok, TASK, ["What factor?", "I WANT TO ANSWER: def f(x): return x * 2"], ["Double it."], 1.0, 0)]
-    critic = AutoModelForCausalLM.from_pretrained(tiny_model)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in critic.model.layers[1].parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    critic.save_pretrained(tmp_path / "critic")
-    tok.save_pretrained(tmp_path / "critic")
-    advantages = {}
-    for top in (0, 1):
-        (tmp_path / "critic" / "run_settings.json").write_text(json.dumps({"model": tiny_model, "beta": 0.1, "train_layers": top}))
-        advantages[top] = view.turn_advantages(rows, tmp_path / "critic")
-    assert len(advantages[1][0]) == 2 and max(map(abs, advantages[0][0])) > 1e-4
-    for a, b in zip(advantages[0][0], advantages[1][0]):
-        assert abs(a - b) < 1e-5

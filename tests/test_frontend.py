@@ -88,17 +88,6 @@ def test_tiny_clip_model_scores_through_the_same_path(renderer, tmp_path):
     assert sim.metric.startswith("clip:") and s[0] == pytest.approx(1.0, abs=1e-5) and s[1] < s[0]
 
 
-def test_design_critic_names_planted_differences(renderer):
-    target = renderer.render(page("blue"))[0]
-    red = simulator.design_feedback(renderer.render(page("red"))[0], target)
-    assert "top of the page should be blue" in red and "not red" in red
-    no_footer = simulator.design_feedback(renderer.render(page("blue", footer=False))[0], target)
-    assert "missing some sections" in no_footer or "bottom of the page should be dark gray" in no_footer
-    assert simulator.design_feedback(renderer.render(page("blue"))[0], target) == "It looks very close to what I want."
-    assert simulator.design_feedback(None, target).startswith("I have not seen a page from you yet")
-    assert len([s for s in red.split(". ") if s]) <= 3
-
-
 def test_tailwind_play_cdn_script_applies_offline(renderer):
     cdn = page("blue").replace('<link href="https://cdn.jsdelivr.net/npm/tailwindcss@2.2.19/dist/tailwind.min.css" rel="stylesheet">',
                                '<head><script src="https://cdn.tailwindcss.com"></script></head>')
@@ -151,15 +140,14 @@ def test_html_rollout_and_evaluation_end_to_end(tiny_model, simulator_url, tmp_p
     for r in asked:  # a text message on a page with hidden facts: at most the hidden lines it matches
         reply = r["dialogue_history"][2]["content"]
         assert reply == "I don't know, sorry." or set(reply.split(". ")) <= set(r["task"]["hidden_information"].splitlines())
-    # ColBench's frontend tasks hold no hidden facts: the human compares renders, and describes the target
+    # ColBench's frontend tasks hold no hidden facts: the scripted human refuses them, in words, and the
+    # dialogues end with finish=error (a rerun against a vision-language model redoes them)
     (tmp_path / "cb.jsonl").write_text("".join(json.dumps({k: t[k] for k in ("problem_description", "ground_truth")}) + "\n"
                                                for t in read_jsonl(tmp_path / "t.jsonl")))
     run_script("rollout.py", "--task_type", "html", "--tasks", tmp_path / "cb.jsonl", "--output", tmp_path / "cb_r.jsonl",
                "--agent_model", tiny_model, "--simulator_url", simulator_url, "--max_turns", "2", "--max_new_tokens", "8")
     for r in read_jsonl(tmp_path / "cb_r.jsonl"):
-        if r["num_turns"] == 2:
-            assert r["dialogue_history"][2]["content"].startswith("I have not seen a page from you yet")
-            assert len(r["dialogue_history"][2]["content"]) <= 1000
+        assert r["finish"] == "error" and "answers procedural pages (hidden design facts) only" in r["error"]
     run_script("rollout.py", "--task_type", "html", "--tasks", tmp_path / "t.jsonl", "--output", tmp_path / "o.jsonl",
                "--agent_backend", "oracle", "--agent_model", tiny_model, "--simulator_url", simulator_url)
     run_script("evaluate.py", "--task_type", "html", "--input", tmp_path / "o.jsonl", "--output", tmp_path / "og.jsonl",

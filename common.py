@@ -12,6 +12,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -101,12 +102,13 @@ class ResumableWriter:
     """Append-only JSONL output keyed by `key(row)`. Rows already on disk are skipped on rerun,
     except those for which `retry(row)` is true (e.g. dialogues that ended in a simulator error),
     which are dropped so the rerun redoes them; a half-written last line from a killed run is
-    dropped with a warning. Each row is flushed when written, so finished work survives a crash."""
+    dropped with a warning. Each row is flushed when written, so finished work survives a crash.
+    `elsewhere`: the keys that other files already hold (shards of another rank count, done_elsewhere)."""
 
-    def __init__(self, path, key, retry=None):
+    def __init__(self, path, key, retry=None, elsewhere=()):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.key, self.done = key, set()
+        self.key, self.done, self.elsewhere = key, set(), set(elsewhere)
         if self.path.exists():
             text = self.path.read_text(encoding="utf-8")
             rows = [r for _, r in read_jsonl(self.path, tolerate_partial_last_line=True)]
@@ -122,6 +124,9 @@ class ResumableWriter:
             if len(keep) < len(rows) or (text and not text.endswith("\n")):
                 write_jsonl(self.path, keep)
         self.f = open(self.path, "a", encoding="utf-8")
+
+    def finished(self, k):
+        return k in self.done or k in self.elsewhere
 
     def write(self, row):
         self.f.write(json.dumps(row, ensure_ascii=False) + "\n")
@@ -155,8 +160,41 @@ def parse_shard(shard):
 
 
 def sharded_path(path, shard_index, num_shards):
-    """Shard i of n writes PATH.shard-i-of-n; `cat` of all shards is the full output."""
+    """Shard i of n writes PATH.shard-i-of-n; merge_shards joins the shards (of any n) into PATH."""
     return Path(path) if num_shards == 1 else Path(f"{path}.shard-{shard_index}-of-{num_shards}")
+
+
+def shard_files(path, suffix=""):
+    """PATH's shard files (PATH.shard-i-of-n + suffix, any n), in order of n, then i."""
+    pattern = re.compile(re.escape(Path(path).name) + r"\.shard-(\d+)-of-(\d+)" + re.escape(suffix))
+    found = [(m, f) for f in Path(path).parent.glob(f"{Path(path).name}.shard-*") if (m := pattern.fullmatch(f.name))]
+    return [f for m, f in sorted(found, key=lambda x: (int(x[0][2]), int(x[0][1])))]
+
+
+def row_key(r):
+    """What a row of a sharded output is about: a dialogue (task_id, sample), a state (+ turn) or a pair (+ texts)."""
+    return tuple(r.get(k) for k in ("task_id", "sample", "turn", "chosen", "rejected"))
+
+
+def done_elsewhere(path, mine, key, suffix="", retry=None):
+    """Resume by content, not by rank count: key(row) of the rows finished in PATH + suffix itself and in its shard
+    files of any rank count, other than `mine` (this rank's file). A rerun with another NPROC skips them."""
+    files = [f for f in [Path(f"{path}{suffix}"), *shard_files(path, suffix)] if f.exists() and f != Path(mine)]
+    return {key(r) for f in files for _, r in read_jsonl(f, True) if not (retry and retry(r))}
+
+
+def merge_shards(path, suffix=""):
+    """PATH + suffix := its rows and those of its shard files (any rank count), one row per row_key (a key is done
+    in one file only, but for a dialogue redone after finish=error: the finished row wins)."""
+    rows = {}
+    target = Path(f"{path}{suffix}")
+    for f in ([target] if target.exists() else []) + shard_files(path, suffix):
+        for _, r in read_jsonl(f, True):
+            k = row_key(r)
+            if k not in rows or rows[k].get("finish") == "error" or r.get("finish") != "error":
+                rows[k] = r
+    write_jsonl(target, rows.values())
+
 
 
 # ----------------------------------------------------------------------------------------------
@@ -722,6 +760,39 @@ def precompute(model, items, fn, rank, world, desc="reference log-probs", forwar
     return [results[i] for i in range(len(items))]
 
 
+SCHEDULES = ("released", "constant")  # --schedule of the training stages
+
+
+def make_optimizer(model, lr, schedule):
+    """AdamW over the trainable weights, no weight decay: betas (0.9, 0.95) as released (--schedule released),
+    or AdamW's default (0.9, 0.999) with a constant rate (the embedded CPU run)."""
+    import torch
+    betas = (0.9, 0.95) if schedule == "released" else (0.9, 0.999)
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, betas=betas, weight_decay=0.0)
+
+
+def lr_factor(step, steps, schedule):
+    """Step `step` (1-based) of `steps`'s learning rate, as a share of --lr. released: linear warm-up over the
+    first 3% of the steps, then a cosine down to 0.1x at the last step; constant: 1."""
+    if schedule != "released":
+        return 1.0
+    warm = max(1, round(0.03 * steps))
+    if step <= warm:
+        return step / warm
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
+
+
+def optimizer_step(model, opt, lr):
+    """Clip the gradient norm at 1.0 (released), step at learning rate lr, zero the gradients. Returns the norm."""
+    import torch
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return grad_norm
+
+
 def batch_order(n, batch_size, epochs, seed):
     """Global batches of example indices [(epoch, [i, ...])], shuffled each epoch; the same on every
     rank, and the same after a restart (it depends only on these arguments). A fractional epochs ends
@@ -768,3 +839,6 @@ def tqdm_if(it, show, desc, total=None):
     from tqdm import tqdm
     return tqdm(it, desc=desc, total=total) if show else it
 
+
+if __name__ == "__main__" and sys.argv[1:2] == ["merge"]:  # run.sh: python common.py merge PATH [SUFFIX]
+    merge_shards(*sys.argv[2:4])

@@ -131,13 +131,14 @@ def main(args):
     common.check_writable(out_path)
     common.save_run_settings(f"{out_path}.run_settings.json", args)
     key = lambda r: (r["task_id"], r["sample"], r["turn"])
-    state_log = common.ResumableWriter(Path(f"{out_path}.states.jsonl"), key)
+    state_log = common.ResumableWriter(Path(f"{out_path}.states.jsonl"), key, elsewhere=common.done_elsewhere(
+        args.output, f"{out_path}.states.jsonl", key, ".states.jsonl"))  # states another rank count labelled
     # keep only pairs of fully labelled states (a crash between the two writes leaves no half state)
     if out_path.exists():
         kept = [r for _, r in common.read_jsonl(out_path, tolerate_partial_last_line=True) if key(r) in state_log.done]
         common.write_jsonl(out_path, kept)
     pairs_out = common.ResumableWriter(out_path, key=lambda r: (*key(r), r["chosen"], r["rejected"]))
-    todo = [s for s in states if (s[0]["task_id"], s[0].get("sample", 0), s[1]) not in state_log.done]
+    todo = [s for s in states if not state_log.finished((s[0]["task_id"], s[0].get("sample", 0), s[1]))]
     print(f"{len(states)} states in this shard, {len(states) - len(todo)} done, {len(todo)} to label", file=sys.stderr)
     if todo:
         label(args, todo, critic_dirs, critic_settings, ref_name, policy_name, rng, pairs_out, state_log)

@@ -262,10 +262,11 @@ def main(args):
     out_path = common.sharded_path(args.output, shard, num_shards)
     common.check_writable(out_path)
     common.save_run_settings(f"{out_path}.run_settings.json", args)
-    writer = common.ResumableWriter(out_path, key=lambda r: (r["task_id"], r["sample"]),
-                                    retry=lambda r: r.get("finish") == "error")  # a rerun retries failed dialogues
-    todo = deque(job for job in jobs if (job[0]["task_id"], job[1]) not in writer.done)
-    print(f"{len(jobs)} dialogues in this shard, {len(jobs) - len(todo)} already in {out_path}, {len(todo)} to run",
+    key, retry = (lambda r: (r["task_id"], r["sample"])), (lambda r: r.get("finish") == "error")  # retry failed dialogues
+    writer = common.ResumableWriter(out_path, key, retry, common.done_elsewhere(args.output, out_path, key, retry=retry))
+    todo = deque(job for job in jobs if not writer.finished((job[0]["task_id"], job[1])))
+    print(f"{len(jobs)} dialogues in this shard, {len(jobs) - len(todo)} already done ({args.output} and its shards), "
+          f"{len(todo)} to run",
           file=sys.stderr)
     if not todo:
         return

@@ -27,7 +27,8 @@ PY=${PY:-}                            # a python with the requirements (empty: s
 if [ -z "$PY" ]; then bash setup.sh; PY=.venv/bin/python; fi
 EMB=$([ "$MODEL" = embedded ] && echo 1 || echo 0)
 TRAIN_LAYERS=$([ "$EMB" = 1 ] && echo 10 || echo 0)  # the embedded run trains the top 10 of 30 layers (README, deviations)
-CRITIC_EPOCHS=$([ "$EMB" = 1 ] && echo 2 || echo 4) CKPT=$([ "$EMB" = 1 ] || echo --grad_ckpt)  # released: 4, checkpointing
+CRITIC_EPOCHS=$([ "$EMB" = 1 ] && echo 2 || echo 4)  # released: 4; and at scale the released optimizer and checkpointing
+TRAIN_ARGS=$([ "$EMB" = 1 ] && echo "--schedule constant" || echo --grad_ckpt)
 if [ -z "$AGENT_BACKEND" ]; then AGENT_BACKEND=hf
   if [ "$EMB" = 0 ] && "$PY" -c 'import vllm' 2>/dev/null; then AGENT_BACKEND=vllm
   elif [ "$EMB" = 0 ] && "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then echo "run.sh: $MODEL on a" \
@@ -44,11 +45,10 @@ log() { printf '\n== %s\n' "$*"; }
 torchrun() { if [ "$NPROC" -gt 1 ]; then "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" "$@"; else "$PY" "$@"; fi; }
 train() {  # train DIR SCRIPT ARGS: a finished DIR (config.json is written last) is reused, a killed one resumes
   local out=$1; shift; if [ -f "$out/config.json" ]; then echo "reusing $out (delete it to redo)"; return; fi
-  torchrun "$@" --output_dir "$out" $CKPT $([ -d "$out/resume" ] || [ -d "$out/resume.old" ] && echo --resume || true); }
-sample() {  # sample OUT SCRIPT ARGS: NPROC ranks each sample a shard; OUT (and OUT.states.jsonl) = the shards in order
-  local out=$1 i sfx; shift; torchrun "$@"; [ "$NPROC" -gt 1 ] || return 0
-  for sfx in "" .states.jsonl; do [ -f "$out.shard-0-of-$NPROC$sfx" ] || continue
-    for ((i = 0; i < NPROC; i++)); do cat "$out.shard-$i-of-$NPROC$sfx"; done > "$out$sfx"; done
+  torchrun "$@" --output_dir "$out" $TRAIN_ARGS $([ -d "$out/resume" ] || [ -d "$out/resume.old" ] && echo --resume || true); }
+sample() {  # sample OUT SCRIPT ARGS: NPROC ranks each sample a shard; OUT (and OUT.states.jsonl) = all the shards
+  local out=$1 sfx; shift; torchrun "$@"  # (of any NPROC: a rerun with another NPROC reuses what is finished)
+  for sfx in "" .states.jsonl; do ! ls "$out".shard-*-of-*"$sfx" >/dev/null 2>&1 || "$PY" common.py merge "$out" "$sfx"; done
 }
 if [ -z "$SIMULATOR_URL" ]; then  # the scripted human on a free port, for this run only
   "$PY" simulator.py --port 0 ${PROMPT_DIR:+--prompt_dir "$PROMPT_DIR"} > "$RUN/simulator.log" 2>&1 & trap "kill $! 2>/dev/null || true" EXIT

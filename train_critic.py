@@ -59,8 +59,9 @@ class Args:
     """ablation: the critic does not see the ground truth"""
     heldout_fraction: float = 0.1
     """share of tasks whose pairs are held out for evaluation"""
-    eval_every: int = 5
-    """log the held-out pairs' loss/acc/margin every N steps (0 = only at the end)"""
+    eval_every: int = 20
+    """every N steps, log the held-out loss/acc/margin on a fixed sample of HELDOUT_SAMPLE of its pairs (0 = only
+    at the end, which scores them all); its time is logged apart (heldout_seconds), outside tokens_per_s"""
     train_metrics: bool = False
     """at the end, also score every train pair (a forward pass over all of them) into final_metrics.json"""
     train_layers: int = 0
@@ -77,8 +78,14 @@ class Args:
     """save the training state (model + optimizer) every N steps to OUTPUT_DIR/resume (0 = never)"""
     resume: bool = False
     """continue from OUTPUT_DIR/resume (same --batch_size, --seed, --epochs) instead of starting over"""
+    schedule: str = "released"
+    """released: the release's optimizer (warm-up over 3% of the steps, cosine to 0.1x, AdamW betas 0.9 / 0.95) |
+    constant: a constant rate, AdamW's default betas (the embedded CPU run)"""
     seed: int = 0
     """data order and held-out split"""
+
+
+HELDOUT_SAMPLE = 32  # held-out pairs scored every --eval_every steps: at batch 8, ~7% of the training's forwards
 
 
 def training_info(task, no_training_info=False):
@@ -144,6 +151,7 @@ def main(args):
     common.refuse(args.normalization not in ("turn", "trajectory") and "--normalization: choose turn or trajectory",
                   args.task_type not in ("code", "html") and f"--task_type {args.task_type}: choose code or html",
                   args.beta <= 0 and "--beta must be positive", args.lr <= 0 and "--lr must be positive",
+                  args.schedule not in common.SCHEDULES and f"--schedule {args.schedule}: choose released or constant",
                   args.epochs < 1 and "--epochs must be at least 1", args.batch_size < 1 and "--batch_size must be at least 1",
                   not 0 <= args.heldout_fraction < 1 and "--heldout_fraction must be in [0, 1)",
                   args.save_every < 0 and "--save_every must be >= 0", *models.precision_problems(args),
@@ -169,6 +177,7 @@ def main(args):
     held = set(task_ids[:n_held])
     train_pairs = [p for p in pairs if p[0]["task_id"] not in held]
     held_pairs = [p for p in pairs if p[0]["task_id"] in held]
+    held_sample = random.Random(args.seed).sample(held_pairs, min(HELDOUT_SAMPLE, len(held_pairs)))
     if rank == 0:
         print(f"{len(pairs)} pairs from {len(task_ids)} tasks: {len(train_pairs)} train, {len(held_pairs)} held out", flush=True)
 
@@ -212,7 +221,7 @@ def main(args):
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     critic.train()
-    opt = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
+    opt = common.make_optimizer(critic, args.lr, args.schedule)
     order = {"batch_size": args.batch_size, "seed": args.seed, "epochs": args.epochs}  # what the data order depends on
     start = common.load_training_state(critic, opt, out / "resume", order) if args.resume else 0
     log = common.TrainingLog(out, start, rank)
@@ -231,12 +240,14 @@ def main(args):
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0) + v
             common.backward(critic, loss, world, last=j == n_micro - 1)
-        grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        lr = args.lr * common.lr_factor(step, len(batches), args.schedule)
+        grad_norm = common.optimizer_step(critic, opt, lr)
         seconds = time.time() - t0
-        held = pair_metrics("heldout", held_pairs) if args.eval_every and step % args.eval_every == 0 else {}
-        log.write(common.step_line(step, epoch, common.all_reduce_dict(sums), grad_norm, seconds, held))
+        held = {}
+        if args.eval_every and step % args.eval_every == 0 and held_pairs:
+            t1 = time.time()
+            held = {**pair_metrics("heldout", held_sample), "heldout_seconds": time.time() - t1}
+        log.write(common.step_line(step, epoch, common.all_reduce_dict(sums), grad_norm, seconds, {"lr": lr, **held}))
         if args.save_every and step % args.save_every == 0 and step < len(batches):
             common.save_training_state(critic, opt, out / "resume", step, order, rank)
 

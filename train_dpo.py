@@ -72,6 +72,9 @@ class Args:
     """continue from OUTPUT_DIR/resume (same --batch_size, --seed, --epochs) instead of starting over"""
     sft_on: str = "success"
     """sft mode: success (rejection fine-tuning: successful dialogues only) | all (every dialogue: the embedded warm-up)"""
+    schedule: str = "released"
+    """released: the release's optimizer (warm-up over 3% of the steps, cosine to 0.1x, AdamW betas 0.9 / 0.95) |
+    constant: a constant rate, AdamW's default betas (the embedded CPU run)"""
     seed: int = 0
     """data order"""
     snapshots: int = 0
@@ -124,6 +127,7 @@ def main(args):
                   args.task_type not in ("code", "html") and f"--task_type {args.task_type}: choose code or html",
                   args.sft_on not in ("success", "all") and f"--sft_on {args.sft_on}: choose success or all",
                   args.beta <= 0 and "--beta must be positive", args.lr <= 0 and "--lr must be positive",
+                  args.schedule not in common.SCHEDULES and f"--schedule {args.schedule}: choose released or constant",
                   args.nll_coef < 0 and "--nll_coef must be >= 0", args.epochs <= 0 and "--epochs must be positive",
                   *models.precision_problems(args),
                   args.batch_size < 1 and "--batch_size must be at least 1", args.save_every < 0 and "--save_every must be >= 0",
@@ -193,7 +197,7 @@ def main(args):
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
+    opt = common.make_optimizer(model, args.lr, args.schedule)
     order = {"batch_size": args.batch_size, "seed": args.seed, "epochs": args.epochs}  # what the data order depends on
     start = common.load_training_state(model, opt, out / "resume", order) if args.resume else 0
     log = common.TrainingLog(out, start, rank)
@@ -213,10 +217,9 @@ def main(args):
                 for k, v in {"n": 1, **metrics}.items():
                     sums[k] = sums.get(k, 0) + v
             common.backward(model, loss, world, last=j == n_micro - 1, forwards=forwards)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        log.write(common.step_line(step, epoch, common.all_reduce_dict(sums), grad_norm, time.time() - t0))
+        lr = args.lr * common.lr_factor(step, len(batches), args.schedule)
+        grad_norm = common.optimizer_step(model, opt, lr)
+        log.write(common.step_line(step, epoch, common.all_reduce_dict(sums), grad_norm, time.time() - t0, {"lr": lr}))
         if args.save_every and step % args.save_every == 0 and step < len(batches):
             common.save_training_state(model, opt, out / "resume", step, order, rank)
         if step in snapshot_steps and not (out / f"step-{step}" / "config.json").exists():

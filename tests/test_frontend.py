@@ -197,7 +197,7 @@ def test_html_human_reveals_one_fact_at_a_time(renderer):
     target = renderer.render(task["ground_truth"])[0]
     ask = lambda text, img=None: human.chat(colbench.human_messages(task, [{"role": "user", "content": "x"},
                                                                            {"role": "assistant", "content": text}],
-                                                                    "html", img, target), 256)
+                                                                    "html", img, target))
     assert ask("What colour is the header?") == "The header is green."
     assert ask("How should the title be aligned?") == "The title is aligned to the right."
     assert ask("Do you want a contact form?") == "I don't know, sorry."

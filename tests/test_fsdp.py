@@ -111,7 +111,6 @@ def test_shared_prompt_dpo_two_processes_match_one(tiny_model, tmp_path):
 def test_two_processes_killed_and_resumed_match_one_uninterrupted(tiny_model, tmp_path):
     """The resume state is written shard by shard under FSDP2; a torchrun killed with SIGKILL and
     relaunched with --resume ends where one uninterrupted process does."""
-    import json
     import time
     tok = models.load_tokenizer(tiny_model)
     write_graded(tok, tmp_path / "g.jsonl", n_tasks=8)

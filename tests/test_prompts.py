@@ -46,8 +46,8 @@ def test_released_message_format_and_its_inverse(tmp_path):
     assert agent[0] == {"role": "system", "content": AGENT}  # verbatim, as released
     assert agent[1:] == dialogue
     # the scripted human answers from the template's hidden information
-    assert simulator.ScriptedBackend(prompts["human"]).chat(msgs, 100) == "Negative inputs give 0."
-    assert simulator.ScriptedBackend().chat(msgs, 100) == "I don't know, sorry."  # without the template it cannot
+    assert simulator.ScriptedBackend(prompts["human"]).chat(msgs) == "Negative inputs give 0."
+    assert simulator.ScriptedBackend().chat(msgs) == "I don't know, sorry."  # without the template it cannot
 
 
 def test_rollout_with_released_names_end_to_end(task_files, tiny_model, tmp_path):

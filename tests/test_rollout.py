@@ -131,7 +131,7 @@ def test_prefixes_continue_each_dialogue_from_its_last_message(tiny_model, task_
     assert got[3]["dialogue_history"] == out_of_turns and got[3]["finish"] == "max_turns"
     assert [m["role"] for m in got[2]["dialogue_history"]][:2] == ["user", "assistant"]
     p = run_script("rollout.py", *args)  # a rerun resumes: nothing left to do
-    assert "4 already in" in p.stderr and len(read_jsonl(tmp_path / "c.jsonl")) == 4
+    assert "4 already done" in p.stderr and len(read_jsonl(tmp_path / "c.jsonl")) == 4
     common.write_jsonl(prefixes, rows + [{"task": t1, "dialogue_history": asked}])
     bad = subprocess.run([sys.executable, str(ROOT / "rollout.py"), *map(str, args)], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode != 0 and "prefixes.jsonl:5: a dialogue to continue needs an integer 'sample'" in bad.stderr
@@ -142,8 +142,16 @@ def test_oracle_solves_tasks_and_shards_merge(task_files, simulator_url, tmp_pat
     for i in range(2):
         rollout(train, tmp_path / "o.jsonl", simulator_url, "--agent_backend", "oracle", "--agent_model", tiny_model,
                 "--shard", f"{i}/2")
-    merged = tmp_path / "merged.jsonl"
-    merged.write_text((tmp_path / "o.jsonl.shard-0-of-2").read_text() + (tmp_path / "o.jsonl.shard-1-of-2").read_text())
+    merged = tmp_path / "o.jsonl"
+    common.merge_shards(merged)  # run.sh's merge: the shards in order
+    assert merged.read_text() == (tmp_path / "o.jsonl.shard-0-of-2").read_text() + (tmp_path / "o.jsonl.shard-1-of-2").read_text()
+    # resume by content, not by rank count: three shards on the same output start no new dialogue
+    for i in range(3):
+        p = rollout(train, merged, simulator_url, "--agent_backend", "oracle", "--agent_model", tiny_model, "--shard", f"{i}/3")
+        assert "10 dialogues in this shard, 10 already" in p.stderr and "0 to run" in p.stderr
+    before = merged.read_text()
+    common.merge_shards(merged)
+    assert sorted(merged.read_text().splitlines()) == sorted(before.splitlines())  # the same 30 rows, once each
     run_script("evaluate.py", "--input", merged, "--output", tmp_path / "g.jsonl", "--summary", tmp_path / "s.json")
     s = json.loads((tmp_path / "s.json").read_text())
     assert s["num_trajectories"] == 30 and s["success_rate"] == 1.0 and s["answered_rate"] == 1.0

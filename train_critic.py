@@ -189,19 +189,15 @@ def main(args):
     for t, ref_sum in zip(trajs, common.precompute(critic, trajs, ref_fn, rank, world)):
         t["ref_sum"] = ref_sum
 
-    def scores(m, pair):
-        """S(tau+), S(tau-): the critic's scores of a pair's trajectories (equation 2's arguments), one forward."""
-        chosen, rejected = pair
-        n = len(chosen["turns"])
-        logp_sum, count = common.turn_logprobs(m, common.both_trajectories(chosen["seqs"], n, rejected["seqs"]),
-                                               n + len(rejected["turns"]))
-        ref_sum = torch.tensor(chosen["ref_sum"] + rejected["ref_sum"], device=logp_sum.device)
-        return [trajectory_score(logp_sum[part], ref_sum[part], count[part], args.beta, args.normalization)
-                for part in (slice(0, n), slice(n, None))]
+    def score(m, t):
+        """S(tau): the critic's score of one trajectory (equation 2's argument)."""
+        logp_sum, count = common.turn_logprobs(m, t["seqs"], len(t["turns"]))
+        return trajectory_score(logp_sum, torch.tensor(t["ref_sum"], device=logp_sum.device), count, args.beta,
+                                args.normalization)
 
     def pair_loss(m, pair):
         """The loss of one pair (chosen, rejected), and its metrics."""
-        s_c, s_r = scores(m, pair)
+        s_c, s_r = score(m, pair[0]), score(m, pair[1])
         loss, diff = critic_loss(s_c, s_r), (s_c - s_r).detach()
         return loss, {"n": 1, "loss": loss.item(), "acc": float(diff > 0), "margin": diff.item(),
                       "tokens": sum(len(s[0]) for t in pair for s in t["seqs"])}
@@ -211,7 +207,7 @@ def main(args):
         if not eval_pairs:
             return {}
         critic.eval()
-        margin = lambda m, pair: (lambda s_c, s_r: (s_c - s_r).item())(*scores(m, pair))
+        margin = lambda m, pair: (score(m, pair[0]) - score(m, pair[1])).item()
         margins = torch.tensor(common.precompute(critic, eval_pairs, margin, rank, world, desc=f"{name} pairs"))
         critic.train()
         return {f"{name}_loss": F.softplus(-margins).mean().item(), f"{name}_acc": (margins > 0).float().mean().item(),

@@ -143,7 +143,6 @@ def main(args):
     if rank == 0:
         print(f"{len(examples)} examples for --mode {args.mode}", flush=True)
     shared = args.mode == "turn" and not args.grad_ckpt  # the fast path needs a KV cache: no checkpointing
-    forwards = 2 if shared else 1  # per example (the ranks' lock-step): the shared prompt, then both turns
     for ex in examples:  # tokenise once
         if shared:  # (prompt ids, [chosen ids, rejected ids]): the prompt runs once per pair
             ex["shared"] = common.encode_shared(tok, "", ex["prompt"], [ex["chosen"][0][1], ex["rejected"][0][1]], args.max_len)
@@ -164,14 +163,12 @@ def main(args):
             prompt_ids, turns = ex["shared"]
             sums, counts = common.shared_prompt_logprobs(m, prompt_ids, turns)
             return sums[0], sums[1], counts[0], len(prompt_ids) + sum(map(len, turns))
-        n = len(ex["chosen"])  # both trajectories in one forward
-        total, count = common.turn_logprobs(m, common.both_trajectories(ex["chosen_seqs"], n, ex["rejected_seqs"]),
-                                            n + len(ex["rejected"]))
-        return total[:n].sum(), total[n:].sum(), count[:n].sum(), sum(len(s[0]) for s in ex["chosen_seqs"] + ex["rejected_seqs"])
+        (logp_c, n_c), (logp_r, _) = (summed_logp(m, ex[side + "_seqs"], len(ex[side])) for side in ("chosen", "rejected"))
+        return logp_c, logp_r, n_c, sum(len(s[0]) for s in ex["chosen_seqs"] + ex["rejected_seqs"])
 
     if args.mode != "sft":  # pi_ref log-probs once, with the starting weights
         ref_fn = lambda m, ex: [x.item() for x in pair_logps(m, ex)[:2]]
-        for ex, (c, r) in zip(examples, common.precompute(model, examples, ref_fn, rank, world, forwards=forwards)):
+        for ex, (c, r) in zip(examples, common.precompute(model, examples, ref_fn, rank, world)):
             ex["ref_chosen"], ex["ref_rejected"] = c, r
 
     def sft_loss(m, ex):
@@ -216,7 +213,7 @@ def main(args):
                 loss = loss / len(batch)  # the step's gradient is the mean over the global batch
                 for k, v in {"n": 1, **metrics}.items():
                     sums[k] = sums.get(k, 0) + v
-            common.backward(model, loss, world, last=j == n_micro - 1, forwards=forwards)
+            common.backward(model, loss, world, last=j == n_micro - 1)
         lr = args.lr * common.lr_factor(step, len(batches), args.schedule)
         grad_norm = common.optimizer_step(model, opt, lr)
         log.write(common.step_line(step, epoch, common.all_reduce_dict(sums), grad_norm, time.time() - t0, {"lr": lr}))

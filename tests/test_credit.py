@@ -45,6 +45,9 @@ def oracle(hasty, detour, seed=0):
         seed=seed, oracle_hasty=hasty, oracle_detour=detour, max_turns=10)
 
 
+GT = {}  # task_id -> the ground truth's results (sandboxed once per task)
+
+
 def play(agent, t, sample):
     """One oracle dialogue against the scripted human (in process); returns (dialogue, success)."""
     ep = {"task": t, "sample": sample, "task_type": "code", "dialogue": [{"role": "user", "content": t["problem_description"]}]}
@@ -52,12 +55,14 @@ def play(agent, t, sample):
         out = agent.generate([None], [ep])[0]
         ep["dialogue"].append({"role": "assistant", "content": out})
         if colbench.ANSWER_MARKER in out:
-            return ep["dialogue"], sandbox.grade_code(t, colbench.extract_answer(out))["success"]
+            if t["task_id"] not in GT:
+                GT[t["task_id"]] = sandbox.run_calls(t["ground_truth"], list(t["test_cases"].items()))
+            return ep["dialogue"], sandbox.grade_code(t, colbench.extract_answer(out), gt_results=GT[t["task_id"]])["success"]
         ep["dialogue"].append({"role": "user", "content": colbench.scripted_reply(t["hidden_information"], out)})
 
 
 def test_hasty_oracle_mix_is_seeded_and_guesses_fail():
-    tasks = [task(f, s) for f in sorted(generate_tasks.FAMILIES) for s in range(8)]
+    tasks = [task(f, s) for f in sorted(generate_tasks.FAMILIES) for s in range(5)]
     results = {}
     for hasty, detour in ((0.0, 0.0), (1.0, 0.0), (0.5, 0.5)):
         agent, agent.args = oracle(hasty, detour)
@@ -68,7 +73,7 @@ def test_hasty_oracle_mix_is_seeded_and_guesses_fail():
     # no constant, e.g. aggregate's "Return their total.")
     early = [ok for (d, ok), t in zip(results[1.0, 0.0], tasks)
              if colbench.revealed_facts(t, d) != set(t["hidden_information"].splitlines()) and t["family"] != "aggregate"]
-    assert len(early) >= 20 and sum(early) <= 0.1 * len(early)
+    assert len(early) >= 12 and sum(early) <= 0.1 * len(early)
     mixed = results[0.5, 0.5]
     assert 0.2 < sum(ok for _, ok in mixed) / len(mixed) < 0.9
     detours = sum(m["content"] in rollout.DETOURS for d, _ in mixed for m in d)
@@ -82,7 +87,7 @@ def test_hasty_oracle_mix_is_seeded_and_guesses_fail():
     agent, agent.args = oracle(1.0, 1.0)
     wasted = [play(agent, t, 0) for t in tasks]
     assert all(not colbench.revealed_facts(t, d) for (d, _), t in zip(wasted, tasks))
-    assert sum(len(d) > 2 for d, _ in wasted) >= 10  # and the budget was spent asking, not answering at once
+    assert sum(len(d) > 2 for d, _ in wasted) >= 6  # and the budget was spent asking, not answering at once
     agent, agent.args = oracle(0.5, 0.5)  # same seed, same dialogues
     assert [play(agent, t, 0) for t in tasks] == mixed
 

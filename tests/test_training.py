@@ -70,15 +70,9 @@ def test_one_forward_equals_per_turn_forwards(tok_model):
     broken = [(inp.replace("What factor?", "What factor??"), out) for inp, out in turns]
     seqs2 = common.tokenize_turns(tok, broken, prefix)
     assert len(seqs2) == 2
-    forwards = []
-    hook = model.register_forward_pre_hook(lambda *_: forwards.append(1))
-    with torch.no_grad():  # the two sequences packed into one forward, and a pair of trajectories too
+    with torch.no_grad():
         total2, _ = common.turn_logprobs(model, seqs2, len(turns))
-        pair, _ = common.turn_logprobs(model, common.both_trajectories(seqs, len(turns), seqs2), 2 * len(turns))
-    hook.remove()
-    assert len(forwards) == 2
     assert total2.tolist() == pytest.approx(naive_turn_logprobs(model, tok, broken, prefix), abs=1e-5)
-    assert pair.tolist() == pytest.approx(total.tolist() + total2.tolist(), abs=1e-5)
 
 
 def test_critic_score_and_loss_by_hand(tok_model):

@@ -616,9 +616,14 @@ def all_reduce_dict(d):
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         return dict(d)
+    import torch
     keys = [None] * dist.get_world_size()
     dist.all_gather_object(keys, sorted(d))
-    return {k: all_reduce(d.get(k, 0)) for k in sorted(set().union(*keys))}
+    keys = sorted(set().union(*keys))
+    t = torch.tensor([float(d.get(k, 0)) for k in keys], dtype=torch.float64,
+                     device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(t)  # one collective for every metric of the step
+    return dict(zip(keys, t.tolist()))
 
 
 def save_checkpoint(model, tokenizer, out_dir, rank, settings=None, dtype=None):

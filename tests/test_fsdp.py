@@ -41,8 +41,7 @@ def kill_tree(pid):
             pass
 
 
-@pytest.mark.parametrize("script,extra", [
-    ("train_critic.py", ["--epochs", "2", "--heldout_fraction", "0"]),
+@pytest.mark.parametrize("script,extra", [  # the whole critic: test_ranks_with_uneven_work_stay_in_lock_step
     # the top layer alone
     ("train_critic.py", ["--epochs", "2", "--heldout_fraction", "0", "--train_layers", "1"]),
     ("train_dpo.py", ["--mode", "trajectory", "--epochs", "2"]),

@@ -40,11 +40,7 @@ def test_hf_rollout_schema_resume_and_reproducible(tiny_model, task_files, simul
     second = read_jsonl(tmp_path / "a.jsonl")
     assert second[:4] == first and len(second) == 6
     assert len({(r["task_id"], r["sample"]) for r in second}) == 6
-    # a killed run leaves half a line: the rerun drops it and redoes that dialogue
-    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in second[:5]) + json.dumps(second[5])[:50])
-    rollout(train, tmp_path / "a.jsonl", simulator_url, "--num_tasks", "3", *base)
-    assert len(read_jsonl(tmp_path / "a.jsonl")) == 6
-    # the same seed and command give the same dialogues
+    # the same seed and command give the same dialogues (a torn last line: test_faults.py)
     rollout(train, tmp_path / "b.jsonl", simulator_url, "--num_tasks", "3", *base)
     rollout(train, tmp_path / "c.jsonl", simulator_url, "--num_tasks", "3", *base)
     strip = lambda rows: sorted(json.dumps(r, sort_keys=True) for r in rows)
@@ -145,10 +141,9 @@ def test_oracle_solves_tasks_and_shards_merge(task_files, simulator_url, tmp_pat
     merged = tmp_path / "o.jsonl"
     common.merge_shards(merged)  # run.sh's merge: the shards in order
     assert merged.read_text() == (tmp_path / "o.jsonl.shard-0-of-2").read_text() + (tmp_path / "o.jsonl.shard-1-of-2").read_text()
-    # resume by content, not by rank count: three shards on the same output start no new dialogue
-    for i in range(3):
-        p = rollout(train, merged, simulator_url, "--agent_backend", "oracle", "--agent_model", tiny_model, "--shard", f"{i}/3")
-        assert "10 dialogues in this shard, 10 already" in p.stderr and "0 to run" in p.stderr
+    # resume by content, not by rank count: a shard of three on the same output starts no new dialogue
+    p = rollout(train, merged, simulator_url, "--agent_backend", "oracle", "--agent_model", tiny_model, "--shard", "2/3")
+    assert "10 dialogues in this shard, 10 already" in p.stderr and "0 to run" in p.stderr
     before = merged.read_text()
     common.merge_shards(merged)
     assert sorted(merged.read_text().splitlines()) == sorted(before.splitlines())  # the same 30 rows, once each
@@ -168,7 +163,8 @@ def test_unreachable_simulator_keeps_finished_work(task_files, tmp_path, tiny_mo
     import sys
     train, _ = task_files
     p = subprocess.run([sys.executable, "rollout.py", "--tasks", str(train), "--output", str(tmp_path / "x.jsonl"),
-                        "--simulator_url", "http://127.0.0.1:9", "--agent_backend", "oracle", "--agent_model", tiny_model],
+                        "--simulator_url", "http://127.0.0.1:9", "--agent_backend", "oracle", "--agent_model", tiny_model,
+                        "--simulator_retry_s", "2"],
                        capture_output=True, text=True, cwd=common.Path(common.__file__).parent, timeout=300)
     assert p.returncode != 0 and "Is the server running?" in p.stderr
 

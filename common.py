@@ -570,7 +570,8 @@ def init_distributed():
     else:
         device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        import datetime  # an hour: the other ranks wait in a barrier while rank 0 writes a whole 8B checkpoint
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=1))
     return rank, world, device
 
 

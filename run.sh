@@ -31,7 +31,7 @@ CRITIC_EPOCHS=$([ "$EMB" = 1 ] && echo 2 || echo 4)  # released: 4; and at scale
 TRAIN_ARGS=$([ "$EMB" = 1 ] && echo "--schedule constant" || echo --grad_ckpt)
 if [ -z "$AGENT_BACKEND" ]; then AGENT_BACKEND=hf
   if [ "$EMB" = 0 ] && "$PY" -c 'import vllm' 2>/dev/null; then AGENT_BACKEND=vllm
-  elif [ "$EMB" = 0 ] && "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then echo "run.sh: $MODEL on a" \
+  elif [ "$EMB" = 0 ] && nvidia-smi -L >/dev/null 2>&1; then echo "run.sh: $MODEL on a" \
     "GPU without vLLM: install requirements-gpu.txt, or set AGENT_BACKEND=hf to decode token by token on purpose" >&2; exit 1; fi; fi
 # the warm-up's starting share of hasty oracle dialogues, the band its validation success should land in, retries
 HASTY=0.8 BAND=0.25,0.5 TRIES=2; [ "$TASK_TYPE" = html ] && HASTY=0.5 BAND=0.15,0.5 TRIES=1

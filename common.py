@@ -196,7 +196,6 @@ def merge_shards(path, suffix=""):
     write_jsonl(target, rows.values())
 
 
-
 # ----------------------------------------------------------------------------------------------
 # Command lines: one @dataclass Args per script; each field's docstring becomes its --help.
 # ----------------------------------------------------------------------------------------------

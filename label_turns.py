@@ -75,8 +75,9 @@ class Args:
     credit_critics: str = ""
     """NAME=DIR,...: more critics (variants, e.g. the no-information ablation) that score the same candidates, for
     the turn-credit accuracy only"""
-    gpu_memory_utilization: float = 0.5
-    """vllm backend: share of the GPU's memory vLLM may take (the critics and pi_ref need the rest)"""
+    gpu_memory_utilization: float = 0.0
+    """vllm backend: share of the GPU's memory vLLM may take (0: what the critics, pi_ref and their scoring batches
+    of --max_batch_tokens leave of this GPU, gpu_share)"""
     max_turns: int = 10
     """the rollouts' turn limit (a candidate at the last turn is an answer, for the turn classes)"""
 
@@ -101,12 +102,34 @@ def make_pairs(candidates, advantages, k, rng, cut=None):
     return pairs
 
 
+def gpu_share(total, config, n_models, max_batch_tokens, max_len):
+    """The share of a GPU of `total` bytes that vLLM may take when n_models models of this config (the
+    critics and pi_ref, bf16) score beside it with at most max_batch_tokens tokens of KV cache (their
+    activations and LOGITS_BUDGET logits too, and 2 GiB for CUDA and the allocator); at most 0.9.
+    Refused where vLLM would not hold the policy's weights and one max_len-token sequence."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):  # the parameter count of any architecture, no memory
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2  # keys and values, bf16
+    scoring = (n_models * params * 2 + max_batch_tokens * (kv_token + 2 * 2 * config.intermediate_size)
+               + 2 * common.LOGITS_BUDGET + 2 * 2**30)
+    vllm, need = total - scoring, params * 2 + max_len * kv_token + 2**30
+    gib = lambda b: f"{b / 2**30:.1f} GiB"
+    common.refuse(vllm < need and f"--agent_backend vllm: of this GPU's {gib(total)}, {n_models} scoring models and "
+                  f"their batches need {gib(scoring)}, which leaves vLLM {gib(vllm)} of the {gib(need)} it needs (the "
+                  f"policy and one {max_len}-token sequence): lower --max_batch_tokens or --max_len, drop "
+                  f"--credit_critics, or set --gpu_memory_utilization")
+    return round(min(0.9, vllm / total), 3)
+
+
 def main(args):
     common.refuse(args.num_candidates < 2 and "--num_candidates must be at least 2 (pairs need two candidates)",
                   args.pairs_per_state < 1 and "--pairs_per_state must be at least 1",
                   not 0 < args.data_fraction <= 1 and "--data_fraction must be in (0, 1]",
                   args.state_batch < 1 and "--state_batch must be at least 1",
                   args.max_batch_tokens < 1 and "--max_batch_tokens must be positive",
+                  not 0 <= args.gpu_memory_utilization < 1 and "--gpu_memory_utilization must be in [0, 1) (0: from the GPU)",
                   args.temperature <= 0 and "--temperature must be positive (greedy candidates are all the same)",
                   not 0 < args.top_p <= 1 and "--top_p must be in (0, 1]",
                   args.agent_backend not in ("hf", "openai", "vllm") and "--agent_backend: choose hf, openai or vllm",
@@ -182,8 +205,12 @@ def label(args, todo, critic_dirs, critic_settings, ref_name, policy_name, rng, 
     device = models.local_device()  # cuda:LOCAL_RANK under torchrun
     sampler = None
     if args.agent_backend == "vllm":  # vLLM first, with its share of the GPU; the critics and pi_ref fit after it
+        from transformers import AutoConfig
+        share = args.gpu_memory_utilization or gpu_share(torch.cuda.mem_get_info()[1], AutoConfig.from_pretrained(
+            models.resolve_model(ref_name)), len(critic_dirs) + 1, args.max_batch_tokens, args.max_len)
+        print(f"vLLM takes {share:.3f} of the GPU's memory", file=sys.stderr)
         sampler = models.make_sampler("vllm", policy_name, args.temperature, args.top_p, args.max_new_tokens, args.seed,
-                                      gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_len)
+                                      gpu_memory_utilization=share, max_model_len=args.max_len)
     scorer = Scorer(critic_dirs, critic_settings, ref_name, device, args)
     sampler = sampler or models.make_sampler(args.agent_backend, policy_name, args.temperature, args.top_p,
                                              args.max_new_tokens, args.seed, args.agent_url, args.batch_size,

@@ -407,17 +407,24 @@ def pin_gpu(env=None):
         env.update(gpu, SWEETRL_GPU_PINNED="1")
 
 
+VLLM_PORTS = 29600, 32  # the first port of rank 0's vLLM engine, and how many ports each rank's engine may try
+
+
 def vllm_engine(model, seed, max_model_len, gpu_memory_utilization, env=None):
     """What this process's vLLM engine is given: (GPU environment, torchrun variables hidden while it
-    starts, LLM kwargs). Under torchrun every rank runs its own engine on its own GPU (data parallel:
-    the ranks hold different states); torchrun's variables are hidden while the engine starts so that
-    vLLM sets up a world of one process instead of joining torchrun's. max_model_len bounds the KV cache
-    vLLM plans for (else the model's full context, 131k tokens for Llama-3.1)."""
+    starts, variables set while it starts, LLM kwargs). Under torchrun every rank runs its own engine on
+    its own GPU (data parallel: the ranks hold different states); torchrun's variables are hidden while
+    the engine starts so that vLLM sets up a world of one process instead of joining torchrun's, and each
+    rank's engine searches its own range of ports (VLLM_PORT), so that engines starting side by side never
+    pick the same free port. max_model_len bounds the KV cache vLLM plans for (else the model's full
+    context, 131k tokens for Llama-3.1)."""
     env = os.environ if env is None else env
     hide = [k for k in TORCHRUN_ENV if k in env]
+    first, width = int(env.get("VLLM_PORT", VLLM_PORTS[0])), VLLM_PORTS[1]
+    ports = {"VLLM_PORT": str(first + width * int(env["LOCAL_RANK"]))} if "LOCAL_RANK" in env else {}
     kwargs = {"model": resolve_model(model), "seed": seed, "max_model_len": max_model_len,
               "gpu_memory_utilization": gpu_memory_utilization, "tensor_parallel_size": 1}
-    return rank_gpu(env), hide, kwargs
+    return rank_gpu(env), hide, ports, kwargs
 
 
 def token_prompts(tok, prompts):
@@ -433,13 +440,20 @@ class VLLMSampler(SeededRequests):
         from vllm import LLM  # optional dependency: requirements-gpu.txt
         self.tok, self.seed = load_tokenizer(model), seed
         self.kw = {"temperature": temperature, "top_p": top_p, "max_tokens": max_new_tokens}
-        _, hide, kwargs = vllm_engine(model, seed, max_model_len, gpu_memory_utilization)
+        _, hide, ports, kwargs = vllm_engine(model, seed, max_model_len, gpu_memory_utilization)
         pin_gpu()
-        hidden = {k: os.environ.pop(k) for k in hide}
+        saved = {k: os.environ.get(k) for k in [*hide, *ports]}
+        for k in hide:
+            del os.environ[k]
+        os.environ.update(ports)
         try:
             self.llm = LLM(**kwargs)
         finally:
-            os.environ.update(hidden)
+            for k, v in saved.items():  # as before the engine started
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
     def generate(self, prompts, keys=None):
         from vllm import SamplingParams

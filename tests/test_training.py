@@ -382,3 +382,25 @@ def test_released_schedule_and_betas(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     assert common.make_optimizer(model, 1e-3, "released").param_groups[0]["betas"] == (0.9, 0.95)
     assert common.make_optimizer(model, 1e-3, "constant").param_groups[0]["betas"] == (0.9, 0.999)
+
+
+def test_vllm_share_of_the_gpu_leaves_room_for_the_scoring_models():
+    """label_turns with vLLM: the critics, pi_ref and their scoring batches are counted from the config, and vLLM
+    gets the rest. Llama-3.1-8B's shape (built on the meta device, no weights): on an 80 GiB GPU the SWEET critic
+    and pi_ref leave vLLM its weights and KV cache; a third model still fits at 16k tokens; a 24 GiB GPU is refused."""
+    from transformers import LlamaConfig
+    llama8b = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                          num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)
+    gib = 2**30
+    two = label_turns.gpu_share(80 * gib, llama8b, 2, 65536, 16384)
+    three = label_turns.gpu_share(80 * gib, llama8b, 3, 65536, 16384)
+    weights = 8.03e9 * 2  # bf16
+    assert 0.3 < two < 0.5 and 80 * gib * two > weights + 16 * gib  # the policy and 16 GiB of KV cache
+    assert three < two and 80 * gib * three > weights + 16384 * 128 * 1024  # and one 16k-token sequence
+    assert (1 - two) * 80 * gib > 2 * weights + 65536 * 128 * 1024  # what scoring holds: two models and their cache
+    assert label_turns.gpu_share(80 * gib, llama8b, 2, 16384, 16384) > two  # a smaller scoring batch leaves more
+    with pytest.raises(SystemExit, match="leaves vLLM .* lower --max_batch_tokens"):
+        label_turns.gpu_share(24 * gib, llama8b, 2, 65536, 16384)
+    tiny = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2)
+    assert label_turns.gpu_share(80 * gib, tiny, 3, 65536, 16384) == 0.9  # a small model: vLLM's usual cap

@@ -661,10 +661,13 @@ def save_checkpoint(model, tokenizer, out_dir, rank, settings=None, dtype=None):
 RESUME_KEYS = ("batch_size", "seed", "epochs")  # what the data order depends on: `order` = {key: value}
 
 
-def save_training_state(model, opt, resume_dir, step, order, rank):
+def save_training_state(model, opt, resume_dir, step, order, rank, background=False):
     """Model and optimizer state (torch.distributed.checkpoint: each rank writes its own shards) to
-    a temp dir, renamed into place when complete: a kill at any moment leaves the previous state."""
+    a temp dir, renamed into place when complete: a kill at any moment leaves the previous state.
+    background: the state is copied to host memory now and written by a thread while training goes
+    on; returns the function that waits for the writes and renames them in (else it is called here)."""
     import warnings
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     msd, osd = get_state_dict(model, opt)
@@ -674,16 +677,53 @@ def save_training_state(model, opt, resume_dir, step, order, rank):
     barrier()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
-    barrier()
-    if rank == 0:
-        (tmp / "meta.json").write_text(json.dumps({"step": step, **order}))
-        if resume_dir.exists():  # complete (only ever renamed into place); an older resume.old left by a
-            shutil.rmtree(old, ignore_errors=True)  # kill after the last rename would block this rename
-            os.replace(resume_dir, old)
-        os.replace(tmp, resume_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    barrier()
+        if background:  # the writer thread's collectives go in a gloo group of their own, beside training's
+            group = getattr(save_training_state, "group", None)
+            if group is None and dist.is_available() and dist.is_initialized():
+                group = save_training_state.group = dist.new_group(backend="gloo")
+            written = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp), process_group=group,
+                                     no_dist=group is None)
+        else:
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
+
+    def complete():
+        if background:
+            written.result()
+        barrier()
+        if rank == 0:
+            (tmp / "meta.json").write_text(json.dumps({"step": step, **order}))
+            if resume_dir.exists():  # complete (only ever renamed into place); an older resume.old left by a
+                shutil.rmtree(old, ignore_errors=True)  # kill after the last rename would block this rename
+                os.replace(resume_dir, old)
+            os.replace(tmp, resume_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        barrier()
+    if background:
+        return complete
+    complete()
+
+
+class Checkpointer:
+    """The training state under RESUME_DIR, saved once `minutes` have passed since the last save (0: after every
+    step, inf: never), in the background (save_training_state): the next save, or the end, completes it. So one
+    state is on disk, and one more while it is written. Every rank saves when any rank's clock says so."""
+
+    def __init__(self, resume_dir, minutes, order, rank):
+        self.dir, self.seconds, self.order, self.rank = resume_dir, minutes * 60, order, rank
+        self.last, self.pending = time.time(), None
+
+    def after_step(self, model, opt, step, last_step):
+        due = not last_step and time.time() - self.last >= self.seconds
+        if all_reduce(float(due), "max") > 0:
+            self.finish()
+            self.pending = save_training_state(model, opt, self.dir, step, self.order, self.rank, background=True)
+            self.last = time.time()
+
+    def finish(self):
+        """Complete the save under way, if any."""
+        if self.pending:
+            self.pending()
+            self.pending = None
 
 
 def load_training_state(model, opt, resume_dir, order):

@@ -74,8 +74,9 @@ class Args:
     whole update is below half a bf16 step rounds back to its starting value)"""
     grad_ckpt: bool = False
     """activation checkpointing (memory for long trajectories at scale)"""
-    save_every: int = 50
-    """save the training state (model + optimizer) every N steps to OUTPUT_DIR/resume (0 = never)"""
+    save_minutes: float = 30.0
+    """save the training state (model + optimizer) to OUTPUT_DIR/resume when this many minutes have passed since
+    the last save (0: after every step; inf: never), written in the background while training goes on"""
     resume: bool = False
     """continue from OUTPUT_DIR/resume (same --batch_size, --seed, --epochs) instead of starting over"""
     schedule: str = "released"
@@ -154,7 +155,7 @@ def main(args):
                   args.schedule not in common.SCHEDULES and f"--schedule {args.schedule}: choose released or constant",
                   args.epochs < 1 and "--epochs must be at least 1", args.batch_size < 1 and "--batch_size must be at least 1",
                   not 0 <= args.heldout_fraction < 1 and "--heldout_fraction must be in [0, 1)",
-                  args.save_every < 0 and "--save_every must be >= 0", *models.precision_problems(args),
+                  args.save_minutes < 0 and "--save_minutes must be >= 0", *models.precision_problems(args),
                   args.resume and not Path(args.output_dir, "resume").exists() and not Path(args.output_dir, "resume.old").exists()
                   and f"--resume: nothing to resume in {args.output_dir}/resume")
     common.check_writable(args.output_dir.rstrip("/") + "/")
@@ -220,7 +221,7 @@ def main(args):
     opt = common.make_optimizer(critic, args.lr, args.schedule)
     order = {"batch_size": args.batch_size, "seed": args.seed, "epochs": args.epochs}  # what the data order depends on
     start = common.load_training_state(critic, opt, out / "resume", order) if args.resume else 0
-    log = common.TrainingLog(out, start, rank)
+    log, saves = common.TrainingLog(out, start, rank), common.Checkpointer(out / "resume", args.save_minutes, order, rank)
     batches = common.batch_order(len(train_pairs), args.batch_size, args.epochs, args.seed)
     for step, (epoch, batch) in enumerate(batches, 1):
         if step <= start:
@@ -244,8 +245,8 @@ def main(args):
             t1 = time.time()
             held = {**pair_metrics("heldout", held_sample), "heldout_seconds": time.time() - t1}
         log.write(common.step_line(step, epoch, common.all_reduce_dict(sums), grad_norm, seconds, {"lr": lr, **held}))
-        if args.save_every and step % args.save_every == 0 and step < len(batches):
-            common.save_training_state(critic, opt, out / "resume", step, order, rank)
+        saves.after_step(critic, opt, step, step == len(batches))
+    saves.finish()
 
     final = {**(pair_metrics("train", train_pairs) if args.train_metrics else {}), **pair_metrics("heldout", held_pairs)}
     if rank == 0:

@@ -66,8 +66,9 @@ class Args:
     whole update is below half a bf16 step rounds back to its starting value)"""
     grad_ckpt: bool = False
     """activation checkpointing (less memory, ~30% slower)"""
-    save_every: int = 50
-    """save the training state (model + optimizer) every N steps to OUTPUT_DIR/resume (0 = never)"""
+    save_minutes: float = 30.0
+    """save the training state (model + optimizer) to OUTPUT_DIR/resume when this many minutes have passed since
+    the last save (0: after every step; inf: never), written in the background while training goes on"""
     resume: bool = False
     """continue from OUTPUT_DIR/resume (same --batch_size, --seed, --epochs) instead of starting over"""
     sft_on: str = "success"
@@ -130,7 +131,7 @@ def main(args):
                   args.schedule not in common.SCHEDULES and f"--schedule {args.schedule}: choose released or constant",
                   args.nll_coef < 0 and "--nll_coef must be >= 0", args.epochs <= 0 and "--epochs must be positive",
                   *models.precision_problems(args),
-                  args.batch_size < 1 and "--batch_size must be at least 1", args.save_every < 0 and "--save_every must be >= 0",
+                  args.batch_size < 1 and "--batch_size must be at least 1", args.save_minutes < 0 and "--save_minutes must be >= 0",
                   args.resume and not Path(args.output_dir, "resume").exists() and not Path(args.output_dir, "resume.old").exists()
                   and f"--resume: nothing to resume in {args.output_dir}/resume")
     common.check_writable(args.output_dir.rstrip("/") + "/")
@@ -197,7 +198,7 @@ def main(args):
     opt = common.make_optimizer(model, args.lr, args.schedule)
     order = {"batch_size": args.batch_size, "seed": args.seed, "epochs": args.epochs}  # what the data order depends on
     start = common.load_training_state(model, opt, out / "resume", order) if args.resume else 0
-    log = common.TrainingLog(out, start, rank)
+    log, saves = common.TrainingLog(out, start, rank), common.Checkpointer(out / "resume", args.save_minutes, order, rank)
     batches = common.batch_order(len(examples), args.batch_size, args.epochs, args.seed)
     snapshot_steps = snapshot_schedule(len(batches), args.snapshots)
     for step, (epoch, batch) in enumerate(batches, 1):
@@ -217,10 +218,10 @@ def main(args):
         lr = args.lr * common.lr_factor(step, len(batches), args.schedule)
         grad_norm = common.optimizer_step(model, opt, lr)
         log.write(common.step_line(step, epoch, common.all_reduce_dict(sums), grad_norm, time.time() - t0, {"lr": lr}))
-        if args.save_every and step % args.save_every == 0 and step < len(batches):
-            common.save_training_state(model, opt, out / "resume", step, order, rank)
+        saves.after_step(model, opt, step, step == len(batches))
         if step in snapshot_steps and not (out / f"step-{step}" / "config.json").exists():
             common.save_checkpoint(model, tok, out / f"step-{step}", rank, args, getattr(torch, args.save_dtype))
+    saves.finish()
     common.save_checkpoint(model, tok, args.output_dir, rank, args, getattr(torch, args.save_dtype))
     if rank == 0:
         print(f"saved {args.output_dir}")

@@ -91,7 +91,7 @@ with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, name)
         subprocess.run([sys.executable, "train_dpo.py", "--pairs", path, "--model", a.model, "--output_dir", out,
                         "--lr", str(a.lr), "--beta", str(a.beta), "--nll_coef", "0", "--batch_size", str(a.batch_size),
-                        "--save_every", "0", *extra], cwd=ROOT, check=True, capture_output=True)
+                        "--save_minutes", "inf", *extra], cwd=ROOT, check=True, capture_output=True)
         log = [json.loads(l) for l in open(os.path.join(out, "log.jsonl"))]
         ours[name] = (len(pairs) / sum(x["seconds"] for x in log), log[0]["loss"])
         print(f"train_dpo.py --mode turn ({name}): {ours[name][0]:.3f} pairs/s, first loss {ours[name][1]:.6f}", flush=True)

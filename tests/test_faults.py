@@ -176,7 +176,7 @@ def test_training_killed_with_sigkill_resumes_to_the_same_weights(tiny_model, tm
     write_graded(tok, tmp_path / "g.jsonl", n_tasks=12)
     args = lambda out, *extra: ["train_dpo.py", "--mode", "sft", "--trajectories", tmp_path / "g.jsonl", "--model",
                                 tiny_model, "--output_dir", out, "--lr", "1e-3", "--epochs", "3", "--batch_size", "1",
-                                "--save_every", "1", *extra]
+                                "--save_minutes", "0", *extra]
     run_script(*args(tmp_path / "whole"))
     p = start_stage(*args(tmp_path / "killed"))
     t0 = time.time()

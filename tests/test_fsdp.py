@@ -114,7 +114,7 @@ def test_two_processes_killed_and_resumed_match_one_uninterrupted(tiny_model, tm
     tok = models.load_tokenizer(tiny_model)
     write_graded(tok, tmp_path / "g.jsonl", n_tasks=8)
     args = lambda out: ["--mode", "trajectory", "--trajectories", tmp_path / "g.jsonl", "--model", tiny_model,
-                        "--output_dir", out, "--lr", "1e-3", "--batch_size", "2", "--epochs", "2", "--save_every", "1"]
+                        "--output_dir", out, "--lr", "1e-3", "--batch_size", "2", "--epochs", "2", "--save_minutes", "0"]
     launch(1, "train_dpo.py", *args(tmp_path / "one"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "train_dpo.py"), *map(str, args(tmp_path / "two"))]

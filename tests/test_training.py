@@ -372,6 +372,33 @@ def test_training_state_survives_a_kill_between_renames(tmp_path):
     assert common.load_training_state(model, opt, tmp_path / "resume", order) == 2
 
 
+def test_saves_come_by_elapsed_time_in_the_background(tmp_path):
+    """--save_minutes: no save before the time is up, nor after the last step; a due save is written while the
+    next step changes the weights, holds the weights of its own step, and is renamed in by the next save or the end."""
+    model = torch.nn.Linear(200, 200)
+    opt = torch.optim.AdamW(model.parameters())
+    order = {"batch_size": 2, "seed": 0, "epochs": 1}
+    never = common.Checkpointer(tmp_path / "never" / "resume", float("inf"), order, 0)
+    (tmp_path / "never").mkdir()
+    never.after_step(model, opt, 1, False)
+    never.finish()
+    saves = common.Checkpointer(tmp_path / "resume", 0.01, order, 0)  # due 0.6 s after the start
+    saves.after_step(model, opt, 1, False)
+    assert saves.pending is None and not (tmp_path / "never" / "resume").exists()
+    saves.last -= 1.0  # the time is up
+    saves.after_step(model, opt, 2, False)
+    saved = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)  # step 3, while the state of step 2 is written
+    assert saves.pending is not None and not (tmp_path / "resume").exists()  # renamed in once complete
+    saves.last -= 1.0
+    saves.after_step(model, opt, 3, True)  # the last step: the final checkpoint follows, no resume state
+    saves.finish()
+    loaded = torch.nn.Linear(200, 200)
+    assert common.load_training_state(loaded, torch.optim.AdamW(loaded.parameters()), tmp_path / "resume", order) == 2
+    assert torch.equal(loaded.weight, saved) and not torch.equal(saved, model.weight)
+
+
 def test_released_schedule_and_betas(tiny_model):
     """--schedule released: a linear warm-up over 3% of the steps, then a cosine to 0.1x at the last step, with
     AdamW betas (0.9, 0.95); constant: --lr throughout with AdamW's default betas."""

@@ -884,17 +884,41 @@ def batch_order(n, batch_size, epochs, seed):
     return out[:max(1, round(len(out) * epochs / passes))]
 
 
-class TrainingLog:
-    """OUT_DIR/log.jsonl and stdout, one line per step (rank 0 writes). On resume after step `start`
-    the lines of later steps (from the killed run) are dropped."""
+REPORTERS = ("tensorboard", "wandb")  # --report_to of the training stages
 
-    def __init__(self, out_dir, start, rank):
+
+def report_problems(report_to):
+    """refuse()'s checks of --report_to: known trackers, installed before any work."""
+    import importlib.util
+    names = [r for r in report_to.split(",") if r]
+    return [f"--report_to {r}: choose from {', '.join(REPORTERS)}" if r not in REPORTERS else
+            not importlib.util.find_spec(r) and f"--report_to {r}: `pip install {r}` first" for r in names]
+
+
+class TrainingLog:
+    """OUT_DIR/log.jsonl and stdout, one line per step (rank 0 writes), and the same numbers to each tracker of
+    report_to ("tensorboard,wandb": TensorBoard event files in OUT_DIR/tensorboard; a W&B run named by OUT_DIR,
+    WANDB_MODE=offline for no server). On resume after step `start` the lines of later steps (from the killed
+    run) are dropped, TensorBoard's too, and W&B continues the run it had."""
+
+    def __init__(self, out_dir, start, rank, report_to="", config=None):
         self.path, self.rank = Path(out_dir) / "log.jsonl", rank
         self.history = [r for _, r in read_jsonl(self.path, True)][:start] if start else []
+        self.tensorboard = self.wandb = None
         if rank == 0:
             write_jsonl(self.path, self.history)
             if start:
                 print(f"resuming after step {start}", flush=True)
+            if "tensorboard" in report_to:
+                from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+                self.tensorboard = SummaryWriter(Path(out_dir) / "tensorboard", purge_step=start + 1 if start else None)
+            if "wandb" in report_to:
+                import wandb
+                run_id = Path(out_dir) / "wandb_id"
+                if not run_id.exists():
+                    run_id.write_text(os.urandom(4).hex())
+                self.wandb = wandb.init(dir=out_dir, name=Path(out_dir).name, id=run_id.read_text(), resume="allow",
+                                        config=config)
 
     def write(self, line):
         """line: {'step', 'epoch', metric: value, ...}; metrics summed over ranks by the caller."""
@@ -903,6 +927,18 @@ class TrainingLog:
             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in line.items()), flush=True)
             with open(self.path, "a") as f:
                 f.write(json.dumps(line) + "\n")
+            numbers = {k: v for k, v in line.items() if k != "step" and isinstance(v, (int, float))}
+            if self.tensorboard:
+                for k, v in numbers.items():
+                    self.tensorboard.add_scalar(k, v, line["step"])
+            if self.wandb:
+                self.wandb.log(numbers, step=line["step"])
+
+    def close(self):
+        if self.tensorboard:
+            self.tensorboard.close()
+        if self.wandb:
+            self.wandb.finish()
 
 
 def step_line(step, epoch, sums, grad_norm, seconds, extra=None):

@@ -79,6 +79,9 @@ class Args:
     the last save (0: after every step; inf: never), written in the background while training goes on"""
     resume: bool = False
     """continue from OUTPUT_DIR/resume (same --batch_size, --seed, --epochs) instead of starting over"""
+    report_to: str = ""
+    """tensorboard | wandb | tensorboard,wandb: also send the step lines' numbers there (OUTPUT_DIR/tensorboard;
+    a W&B run, WANDB_MODE=offline to keep it local; requirements: tensorboard, wandb)"""
     schedule: str = "released"
     """released: the release's optimizer (warm-up over 3% of the steps, cosine to 0.1x, AdamW betas 0.9 / 0.95) |
     constant: a constant rate, AdamW's default betas (the embedded CPU run)"""
@@ -155,7 +158,8 @@ def main(args):
                   args.schedule not in common.SCHEDULES and f"--schedule {args.schedule}: choose released or constant",
                   args.epochs < 1 and "--epochs must be at least 1", args.batch_size < 1 and "--batch_size must be at least 1",
                   not 0 <= args.heldout_fraction < 1 and "--heldout_fraction must be in [0, 1)",
-                  args.save_minutes < 0 and "--save_minutes must be >= 0", *models.precision_problems(args),
+                  args.save_minutes < 0 and "--save_minutes must be >= 0",
+                  *common.report_problems(args.report_to), *models.precision_problems(args),
                   args.resume and not Path(args.output_dir, "resume").exists() and not Path(args.output_dir, "resume.old").exists()
                   and f"--resume: nothing to resume in {args.output_dir}/resume")
     common.check_writable(args.output_dir.rstrip("/") + "/")
@@ -221,7 +225,8 @@ def main(args):
     opt = common.make_optimizer(critic, args.lr, args.schedule)
     order = {"batch_size": args.batch_size, "seed": args.seed, "epochs": args.epochs}  # what the data order depends on
     start = common.load_training_state(critic, opt, out / "resume", order) if args.resume else 0
-    log, saves = common.TrainingLog(out, start, rank), common.Checkpointer(out / "resume", args.save_minutes, order, rank)
+    log = common.TrainingLog(out, start, rank, args.report_to, vars(args))
+    saves = common.Checkpointer(out / "resume", args.save_minutes, order, rank)
     batches = common.batch_order(len(train_pairs), args.batch_size, args.epochs, args.seed)
     for step, (epoch, batch) in enumerate(batches, 1):
         if step <= start:
@@ -247,6 +252,7 @@ def main(args):
         log.write(common.step_line(step, epoch, common.all_reduce_dict(sums), grad_norm, seconds, {"lr": lr, **held}))
         saves.after_step(critic, opt, step, step == len(batches))
     saves.finish()
+    log.close()
 
     final = {**(pair_metrics("train", train_pairs) if args.train_metrics else {}), **pair_metrics("heldout", held_pairs)}
     if rank == 0:

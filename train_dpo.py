@@ -73,6 +73,9 @@ class Args:
     """continue from OUTPUT_DIR/resume (same --batch_size, --seed, --epochs) instead of starting over"""
     sft_on: str = "success"
     """sft mode: success (rejection fine-tuning: successful dialogues only) | all (every dialogue: the embedded warm-up)"""
+    report_to: str = ""
+    """tensorboard | wandb | tensorboard,wandb: also send the step lines' numbers there (OUTPUT_DIR/tensorboard;
+    a W&B run, WANDB_MODE=offline to keep it local; requirements: tensorboard, wandb)"""
     schedule: str = "released"
     """released: the release's optimizer (warm-up over 3% of the steps, cosine to 0.1x, AdamW betas 0.9 / 0.95) |
     constant: a constant rate, AdamW's default betas (the embedded CPU run)"""
@@ -132,6 +135,7 @@ def main(args):
                   args.nll_coef < 0 and "--nll_coef must be >= 0", args.epochs <= 0 and "--epochs must be positive",
                   *models.precision_problems(args),
                   args.batch_size < 1 and "--batch_size must be at least 1", args.save_minutes < 0 and "--save_minutes must be >= 0",
+                  *common.report_problems(args.report_to),
                   args.resume and not Path(args.output_dir, "resume").exists() and not Path(args.output_dir, "resume.old").exists()
                   and f"--resume: nothing to resume in {args.output_dir}/resume")
     common.check_writable(args.output_dir.rstrip("/") + "/")
@@ -198,7 +202,8 @@ def main(args):
     opt = common.make_optimizer(model, args.lr, args.schedule)
     order = {"batch_size": args.batch_size, "seed": args.seed, "epochs": args.epochs}  # what the data order depends on
     start = common.load_training_state(model, opt, out / "resume", order) if args.resume else 0
-    log, saves = common.TrainingLog(out, start, rank), common.Checkpointer(out / "resume", args.save_minutes, order, rank)
+    log = common.TrainingLog(out, start, rank, args.report_to, vars(args))
+    saves = common.Checkpointer(out / "resume", args.save_minutes, order, rank)
     batches = common.batch_order(len(examples), args.batch_size, args.epochs, args.seed)
     snapshot_steps = snapshot_schedule(len(batches), args.snapshots)
     for step, (epoch, batch) in enumerate(batches, 1):
@@ -222,6 +227,7 @@ def main(args):
         if step in snapshot_steps and not (out / f"step-{step}" / "config.json").exists():
             common.save_checkpoint(model, tok, out / f"step-{step}", rank, args, getattr(torch, args.save_dtype))
     saves.finish()
+    log.close()
     common.save_checkpoint(model, tok, args.output_dir, rank, args, getattr(torch, args.save_dtype))
     if rank == 0:
         print(f"saved {args.output_dir}")

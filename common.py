@@ -574,6 +574,28 @@ def init_distributed():
     return rank, world, device
 
 
+def training_model(name, world, device, dtype=None, grad_ckpt=False, train_layers=0):
+    """The model a training stage updates: fp32 master weights, compute in dtype (shard_model). Under torchrun
+    it is built empty (meta device) on every rank and sharded; rank 0 alone reads the weights, on the CPU, and
+    each rank receives only its shards: no rank ever holds the whole model on its accelerator."""
+    import torch
+    import torch.distributed as dist
+    import models
+    model = models.load_model(name, device, grad_ckpt, torch.float32, train_layers, empty=world > 1)
+    if world == 1:
+        return shard_model(model, world, device, dtype)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    buffers = dict(model.named_buffers())  # computed, not read (rotary frequencies): to_empty would lose them
+    full = models.load_model(name, torch.device("cpu"), dtype=torch.float32).state_dict() if dist.get_rank() == 0 else {}
+    model = shard_model(model, world, device, dtype)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for n, b in buffers.items():
+            model.get_buffer(n).copy_(b)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    return model
+
+
 def shard_model(model, world, device, dtype=None):
     """FSDP2: fully_shard each decoder layer, then the root (one process: the plain model); either way
     it counts its forwards (count_forwards). dtype (compute) below the fp32 weights: mixed precision,

@@ -115,18 +115,26 @@ def compute_dtype(name, device):
     return getattr(torch, name) if name != "auto" else torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def load_model(name, device, grad_ckpt=False, dtype=None, train_layers=0):
+def load_model(name, device, grad_ckpt=False, dtype=None, train_layers=0, empty=False):
     """A causal LM: weights in dtype (default bf16 on GPU, fp32 on CPU: for inference; training passes
     fp32, the master weights that the optimizer updates, with bf16 compute from shard_model);
     flash-attention 2 when installed, else SDPA. train_layers > 0 freezes all but the top train_layers
     decoder layers and the final norm, so the backward pass stops early (the embedded CPU run's
-    deviation; 0 trains everything)."""
+    deviation; 0 trains everything). empty: the parameters on the meta device, no memory and nothing
+    read (the buffers are computed): common.training_model fills each rank's shards from rank 0's copy."""
     import importlib.util
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     attn = "flash_attention_2" if device.type == "cuda" and importlib.util.find_spec("flash_attn") else "sdpa"
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype, attn_implementation=attn).to(device)
+    if empty:
+        from accelerate import init_empty_weights
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve_model(name)), dtype=dtype,
+                                                     attn_implementation=attn)
+        model.tie_weights()  # (init_empty_weights leaves tied embeddings apart)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype, attn_implementation=attn).to(device)
     if grad_ckpt:
         # transformers 5.23 names it activation_checkpointing_enable and warns on the old name; older
         # versions have only the old name

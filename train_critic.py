@@ -186,8 +186,8 @@ def main(args):
     if rank == 0:
         print(f"{len(pairs)} pairs from {len(task_ids)} tasks: {len(train_pairs)} train, {len(held_pairs)} held out", flush=True)
 
-    critic = common.shard_model(models.load_model(args.model, device, args.grad_ckpt, torch.float32, args.train_layers),
-                                world, device, models.compute_dtype(args.dtype, device))
+    critic = common.training_model(args.model, world, device, models.compute_dtype(args.dtype, device), args.grad_ckpt,
+                                   args.train_layers)
 
     # pi_ref = the starting critic weights: its per-turn log-probs once, before any update
     ref_fn = lambda m, t: common.turn_logprobs(m, t["seqs"], len(t["turns"]))[0].tolist()

@@ -155,8 +155,8 @@ def main(args):
         for side in ("chosen", "rejected"):
             if side in ex:
                 ex[side + "_seqs"] = common.tokenize_turns(tok, ex[side], max_len=args.max_len)
-    model = common.shard_model(models.load_model(args.model, device, args.grad_ckpt, torch.float32, args.train_layers),
-                               world, device, models.compute_dtype(args.dtype, device))
+    model = common.training_model(args.model, world, device, models.compute_dtype(args.dtype, device), args.grad_ckpt,
+                                  args.train_layers)
 
     def summed_logp(m, seqs, n_turns):
         total, count = common.turn_logprobs(m, seqs, n_turns)

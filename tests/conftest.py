@@ -17,7 +17,7 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def build_tiny_model(out_dir, seed=0, bos=False):
+def build_tiny_model(out_dir, seed=0, bos=False, tie=False):
     """bos=True: a Llama-3-like tokenizer that adds <|begin_of_text|> to every encoding (unless
     add_special_tokens=False) and a chat template that writes it too."""
     import torch
@@ -41,7 +41,7 @@ def build_tiny_model(out_dir, seed=0, bos=False):
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
-                      tie_word_embeddings=False)
+                      tie_word_embeddings=tie)
     model = LlamaForCausalLM(cfg)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import models
-from conftest import ROOT, read_jsonl, saved_step
+from conftest import ROOT, build_tiny_model, read_jsonl, saved_step
 from test_training import write_graded
 
 
@@ -135,3 +135,38 @@ def test_two_processes_killed_and_resumed_match_one_uninterrupted(tiny_model, tm
     m1, m2 = (AutoModelForCausalLM.from_pretrained(tmp_path / d).eval() for d in ("one", "two"))
     with torch.no_grad():
         assert torch.allclose(m1(ids).logits, m2(ids).logits, atol=1e-4)
+
+
+MATERIALISE = """
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[2])
+import common, models
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+read, load = [], models.load_model
+models.load_model = lambda *a, **k: read.append(k.get("empty", False)) or load(*a, **k)
+rank, world, device = common.init_distributed()
+model = common.training_model(sys.argv[1], world, device, torch.float32, False, 1)
+full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+saved = load(sys.argv[1], device, dtype=torch.float32)
+assert read == ([True, False] if rank == 0 else [True]), read  # rank 1 never reads the weights whole
+assert all(torch.equal(full[k], v) for k, v in saved.state_dict().items()) and set(full) == set(saved.state_dict())
+assert all(torch.equal(b, dict(saved.named_buffers())[n]) for n, b in model.named_buffers())  # rotary frequencies
+assert model.lm_head.weight is model.model.embed_tokens.weight  # tied embeddings stay one parameter
+assert [n for n, p in model.named_parameters() if p.requires_grad][-1] == "model.norm.weight"  # --train_layers 1
+ids = torch.tensor([[1, 5, 9, 12]])
+assert torch.allclose(model(input_ids=ids).logits, saved(input_ids=ids).logits, atol=1e-6)
+print("rank", rank, "ok", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_ranks_build_the_model_empty_and_get_their_shards_from_rank_0(tmp_path):
+    """Under torchrun the training model is built on the meta device on every rank; rank 0 alone reads the
+    checkpoint and each rank receives its shards: the same weights, buffers, ties and trainable layers as a
+    model loaded whole."""
+    tied = build_tiny_model(tmp_path / "tied", tie=True)
+    (tmp_path / "materialise.py").write_text(MATERIALISE)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(tmp_path / "materialise.py"), tied, str(ROOT)], capture_output=True, text=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert p.returncode == 0 and p.stdout.count(" ok") == 2, p.stdout[-3000:] + p.stderr[-3000:]

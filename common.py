@@ -633,19 +633,20 @@ def barrier():
         dist.barrier()
 
 
-def all_reduce_dict(d):
-    """Sum a dict of numbers across ranks; a key some rank lacks counts as 0 there."""
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()):
-        return dict(d)
+def step_sums(sums, grad_norm):
+    """A step's metrics, summed over its examples on this rank (tensors, kept on the device while the step ran, or
+    numbers), summed over the ranks in one all_reduce, with the gradient norm: one host sync for the step. Every rank
+    passes the same keys (a rank with no example passes zeros)."""
     import torch
-    keys = [None] * dist.get_world_size()
-    dist.all_gather_object(keys, sorted(d))
-    keys = sorted(set().union(*keys))
-    t = torch.tensor([float(d.get(k, 0)) for k in keys], dtype=torch.float64,
-                     device="cuda" if torch.cuda.is_available() else "cpu")
-    dist.all_reduce(t)  # one collective for every metric of the step
-    return dict(zip(keys, t.tolist()))
+    import torch.distributed as dist
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
+    keys = sorted(sums)
+    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=grad_norm.device).reshape(())
+                     for v in [*(sums[k] for k in keys), grad_norm / world]])  # the norm is already global
+    if world > 1:
+        dist.all_reduce(t)
+    return dict(zip([*keys, "grad_norm"], t.tolist()))
 
 
 def save_checkpoint(model, tokenizer, out_dir, rank, settings=None, dtype=None):
@@ -963,11 +964,11 @@ class TrainingLog:
             self.wandb.finish()
 
 
-def step_line(step, epoch, sums, grad_norm, seconds, extra=None):
-    """One log line: metrics summed over the batch's examples (and ranks) -> means; tokens -> tokens/s."""
+def step_line(step, epoch, sums, seconds, extra=None):
+    """One log line from step_sums: metrics summed over the batch's examples (and ranks) -> means; tokens -> tokens/s."""
     n = max(sums.pop("n", 0), 1)
     tokens = sums.pop("tokens", 0)
-    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    grad_norm = sums.pop("grad_norm")
     return {"step": step, "epoch": epoch, **{k: v / n for k, v in sums.items()}, "grad_norm": grad_norm,
             "tokens_per_s": tokens / seconds, "seconds": seconds, **(extra or {})}
 

@@ -204,8 +204,8 @@ def main(args):
         """The loss of one pair (chosen, rejected), and its metrics."""
         s_c, s_r = score(m, pair[0]), score(m, pair[1])
         loss, diff = critic_loss(s_c, s_r), (s_c - s_r).detach()
-        return loss, {"n": 1, "loss": loss.item(), "acc": float(diff > 0), "margin": diff.item(),
-                      "tokens": sum(len(s[0]) for t in pair for s in t["seqs"])}
+        return loss, {"n": 1, "loss": loss.detach(), "acc": (diff > 0).float(), "margin": diff,
+                      "tokens": sum(len(s[0]) for t in pair for s in t["seqs"])}  # tensors: no host sync
 
     def pair_metrics(name, eval_pairs):
         """loss, acc and margin of the current critic on eval_pairs, without grad."""
@@ -231,7 +231,7 @@ def main(args):
     for step, (epoch, batch) in enumerate(batches, 1):
         if step <= start:
             continue  # done before the restart
-        t0, sums = time.time(), {"n": 0}
+        t0, sums = time.time(), dict.fromkeys(("n", "loss", "acc", "margin", "tokens"), 0)
         local = [train_pairs[i] for i in batch[rank * len(batch) // world:(rank + 1) * len(batch) // world]]  # this rank's share
         n_micro = common.lockstep(len(local))  # one pair per micro-batch; every rank runs as many
         for j in range(n_micro):
@@ -244,12 +244,12 @@ def main(args):
             common.backward(critic, loss, world, last=j == n_micro - 1)
         lr = args.lr * common.lr_factor(step, len(batches), args.schedule)
         grad_norm = common.optimizer_step(critic, opt, lr)
-        seconds = time.time() - t0
+        sums, seconds = common.step_sums(sums, grad_norm), time.time() - t0
         held = {}
         if args.eval_every and step % args.eval_every == 0 and held_pairs:
             t1 = time.time()
             held = {**pair_metrics("heldout", held_sample), "heldout_seconds": time.time() - t1}
-        log.write(common.step_line(step, epoch, common.all_reduce_dict(sums), grad_norm, seconds, {"lr": lr, **held}))
+        log.write(common.step_line(step, epoch, sums, seconds, {"lr": lr, **held}))
         saves.after_step(critic, opt, step, step == len(batches))
     saves.finish()
     log.close()

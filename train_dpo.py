@@ -180,7 +180,7 @@ def main(args):
         """Rejection fine-tuning / warm-up: mean per-token NLL of the turns."""
         logp, n = summed_logp(m, ex["chosen_seqs"], len(ex["chosen"]))
         nll = -logp / n.clamp(min=1)
-        return nll, {"loss": nll.item(), "nll": nll.item(), "tokens": sum(len(s[0]) for s in ex["chosen_seqs"])}
+        return nll, {"loss": nll.detach(), "nll": nll.detach(), "tokens": sum(len(s[0]) for s in ex["chosen_seqs"])}
 
     def dpo_pair_loss(m, ex):
         """L_policy for one pair (turn or trajectory), with TRL's metric names."""
@@ -189,11 +189,13 @@ def main(args):
         l_dpo, r_c, r_r = dpo_loss(logp_c, logp_r, torch.tensor(ex["ref_chosen"], device=device),
                                    torch.tensor(ex["ref_rejected"], device=device), args.beta)
         loss = l_dpo + args.nll_coef * nll  # L_policy = L_DPO + lambda * NLL(a+)
-        return loss, {"loss": loss.item(), "rewards/chosen": r_c.item(), "rewards/rejected": r_r.item(),
-                      "rewards/margins": (r_c - r_r).item(), "rewards/accuracies": float(r_c > r_r), "nll": nll.item(),
-                      "tokens": tokens}
+        return loss, {"loss": loss.detach(), "rewards/chosen": r_c.detach(), "rewards/rejected": r_r.detach(),
+                      "rewards/margins": (r_c - r_r).detach(), "rewards/accuracies": (r_c > r_r).float(),
+                      "nll": nll.detach(), "tokens": tokens}  # tensors: no host sync
 
     loss_fn = sft_loss if args.mode == "sft" else dpo_pair_loss
+    keys = ["n", "loss", "nll", "tokens"] + (["rewards/chosen", "rewards/rejected", "rewards/margins",
+                                              "rewards/accuracies"] if args.mode != "sft" else [])  # every rank's
 
     # ------------------------------------ the training loop ---------------------------------------
     out = Path(args.output_dir)
@@ -209,7 +211,7 @@ def main(args):
     for step, (epoch, batch) in enumerate(batches, 1):
         if step <= start:
             continue  # done before the restart
-        t0, sums = time.time(), {"n": 0}
+        t0, sums = time.time(), dict.fromkeys(keys, 0)
         local = [examples[i] for i in batch[rank::world]]  # this rank's share of the global batch
         n_micro = common.lockstep(len(local))
         for j in range(n_micro):  # one example per micro-batch: memory holds one example's graph
@@ -222,7 +224,8 @@ def main(args):
             common.backward(model, loss, world, last=j == n_micro - 1)
         lr = args.lr * common.lr_factor(step, len(batches), args.schedule)
         grad_norm = common.optimizer_step(model, opt, lr)
-        log.write(common.step_line(step, epoch, common.all_reduce_dict(sums), grad_norm, time.time() - t0, {"lr": lr}))
+        sums = common.step_sums(sums, grad_norm)
+        log.write(common.step_line(step, epoch, sums, time.time() - t0, {"lr": lr}))
         saves.after_step(model, opt, step, step == len(batches))
         if step in snapshot_steps and not (out / f"step-{step}" / "config.json").exists():
             common.save_checkpoint(model, tok, out / f"step-{step}", rank, args, getattr(torch, args.save_dtype))

@@ -445,3 +445,37 @@ def test_vllm_share_of_the_gpu_leaves_room_for_the_scoring_models():
     tiny = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2)
     assert label_turns.gpu_share(80 * gib, tiny, 3, 65536, 16384) == 0.9  # a small model: vLLM's usual cap
+
+
+def test_a_training_step_syncs_the_host_once(tiny_model, tmp_path, monkeypatch):
+    """Metrics stay tensors on the device through a step and reach the host in one transfer (common.step_sums):
+    the project's own reads of a tensor's value (.item, .tolist, float, int, bool) grow by one per extra step."""
+    import inspect
+    import pathlib
+    tok = models.load_tokenizer(tiny_model)
+    write_graded(tok, tmp_path / "g.jsonl", n_tasks=8)
+    ours = {str(pathlib.Path(m.__file__).resolve()) for m in (common, models, train_critic, train_dpo)}
+    reads = []
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+        real = getattr(torch.Tensor, name)
+
+        def counted(t, *a, _real=real, _name=name, **k):
+            caller = inspect.currentframe().f_back
+            if caller.f_code.co_filename in ours:
+                reads.append(f"{_name} {pathlib.Path(caller.f_code.co_filename).name}:{caller.f_lineno}")
+            return _real(t, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+
+    def syncs(main, args, epochs):
+        reads.clear()
+        main(args(epochs))
+        return len(reads)
+    critic = lambda e: train_critic.Args(trajectories=str(tmp_path / "g.jsonl"), output_dir=str(tmp_path / f"c{e}"),
+                                         model=tiny_model, lr=1e-3, epochs=e, batch_size=2, heldout_fraction=0.0)
+    dpo = lambda e: train_dpo.Args(mode="trajectory", trajectories=str(tmp_path / "g.jsonl"),
+                                   output_dir=str(tmp_path / f"d{e}"), model=tiny_model, lr=1e-3, epochs=e, batch_size=2)
+    for main, args in ((train_critic.main, critic), (train_dpo.main, dpo)):
+        one = syncs(main, args, 1)
+        three = syncs(main, args, 3)
+        steps = len(read_jsonl(tmp_path / args(3).output_dir / "log.jsonl")) - len(read_jsonl(tmp_path / args(1).output_dir / "log.jsonl"))
+        assert steps == 8 and three - one == steps, reads  # 4 steps an epoch

@@ -432,8 +432,11 @@ def sequence_logprobs(model, ids, turn_of, chunk=1024):
 def token_logprobs(logits, targets, chunk=1024):
     """log softmax(logits)[target] of each row ([n, vocab], [n] -> [n]), in fp32, chunk rows at a time."""
     import torch
-    return torch.cat([rows.float().gather(1, t[:, None]).squeeze(1) - torch.logsumexp(rows.float(), -1)
-                      for rows, t in zip(logits.split(chunk), targets.split(chunk))])
+    out = []
+    for rows, t in zip(logits.split(chunk), targets.split(chunk)):
+        rows = rows.float()  # one fp32 copy of a chunk at a time
+        out.append(rows.gather(1, t[:, None]).squeeze(1) - torch.logsumexp(rows, -1))
+    return torch.cat(out)
 
 
 def turn_logprobs(model, seqs, num_turns):

@@ -13,11 +13,14 @@ Checks, each printed PASS or FAIL (the exit status is 1 if any fails):
 - the same DPO run saved with --save_dtype bfloat16 keeps under 5% of them (the rounding the README
   warns about, seen on the GPU);
 - labelling writes turn-level pairs, and rollouts (8 code tasks x 2, at most 4 turns) finish.
-Each stage's output goes to OUT/NAME.log as it runs, the numbers to OUT/bench_gpu.json.
+Each stage's output goes to OUT/NAME.log as it runs, the numbers to OUT/bench_gpu.json; each training stage
+also prints its MFU (6 x parameters x tokens/s over --peak_tflops).
 """
 import argparse
 import json
+import math
 import re
+import statistics
 import subprocess
 import sys
 import threading
@@ -31,6 +34,7 @@ p.add_argument("--tokenizer", required=True, help="a folder with the tokenizer f
 p.add_argument("--out", required=True)
 p.add_argument("--shapes", default="135m,1b", help="comma-separated: 135m, 1b, 3b")
 p.add_argument("--dpo_epochs", type=float, default=1.0)
+p.add_argument("--peak_tflops", type=float, default=989.0, help="the GPU's dense bf16 peak, for MFU (H100 / H200 SXM: 989)")
 p.add_argument("--max_tasks", type=int, default=8, help="the first N tasks' trajectories and their turn-level pairs (0: all)")
 p.add_argument("--stage_timeout", type=float, default=600, help="seconds a stage may run")
 p.add_argument("--stages", default="critic,dpo,dpo_bf16,label,rollout", help="which to run (label and rollout: 135m only)")
@@ -145,6 +149,14 @@ def trained(name, model, out_dir, cmd, check_name, moved=True):
     if stage(name, cmd):
         steps = [json.loads(x) for x in open(out_dir / "log.jsonl")]
         results[name].update(steps=len(steps), last_loss=steps[-1].get("loss"))
+        # MFU: 6 x parameters x trained tokens/s (forward and backward) over the peak; the median step, the first aside
+        from safetensors import safe_open
+        with safe_open(str(Path(model, "model.safetensors")), "pt") as f:
+            params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+        rate = statistics.median(r["tokens_per_s"] for r in steps[1:] or steps)
+        results[name].update(params=params, tokens_per_s=round(rate), mfu=round(6 * params * rate / (a.peak_tflops * 1e12), 4))
+        print(f"{name}: {rate:.0f} tokens/s, {params / 1e9:.2f}B parameters: MFU {100 * results[name]['mfu']:.1f}% of "
+              f"{a.peak_tflops:.0f} TFLOP/s", flush=True)
         share = changed_share(model, out_dir)
         check(check_name, share > 0.9 if moved else share < 0.05, f"{100 * share:.1f}% of weight elements changed")
     else:

@@ -616,7 +616,7 @@ def shard_model(model, world, device, dtype=None):
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
-    return count_forwards(fully_shard(model, mesh=mesh, mp_policy=mp), world)
+    return count_forwards(fully_shard(model, mesh=mesh, mp_policy=mp))
 
 
 def all_reduce(x, op="sum"):
@@ -776,18 +776,13 @@ def load_training_state(model, opt, resume_dir, order):
     return meta["step"]
 
 
-def count_forwards(model, world=1):
-    """Count the model's forward calls (model.forwards). Under torchrun every forward first tells the
-    other ranks that one is coming (an all_reduce of 1, before FSDP's own hooks run); a rank with no
-    forward left answers 0 and runs a zero-weight forward beside it (join_forwards). So the ranks run
-    FSDP's collectives in the same order, whatever the number of forwards each rank's examples need,
-    with no bookkeeping in the algorithm code. Called once by shard_model."""
-    model.forwards, model.announce = 0, world > 1
+def count_forwards(model):
+    """Count the model's forward calls (model.forwards), for the lock-step padding (pad_forwards). Called once
+    by shard_model."""
+    model.forwards = 0
 
     def hook(module, args):
         module.forwards += 1
-        if module.announce:
-            all_reduce(1, "max")
     model.register_forward_pre_hook(hook, prepend=True)
     return model
 
@@ -802,57 +797,64 @@ def dummy_forwards(model, n):
     return out
 
 
-def join_forwards(model):
-    """This rank has run its forwards of a lock-step region: run zero-weight forwards beside the other
-    ranks' remaining ones until no rank has one left. Returns their sum, or None where none ran."""
-    if not getattr(model, "announce", False):
-        return None
-    out = None
-    model.announce = False  # our padding forwards answer the others' announcements; they announce nothing
-    try:
-        while all_reduce(0, "max") > 0:
-            out = dummy_forwards(model, 1) if out is None else out + dummy_forwards(model, 1)
-    finally:
-        model.announce = True
-    return out
+def seq_forwards(seqs):
+    """The forwards turn_logprobs runs on tokenize_turns' sequences: one for each that scores an agent token."""
+    return sum(any(t >= 0 for t in turn_of[1:]) for _, turn_of in seqs)
 
 
-def lockstep(n_local):
-    """How many micro-batches this step runs on every rank: the most any rank has (FSDP's collectives
-    need every rank to run as many forwards and backwards)."""
-    return int(all_reduce(n_local, "max"))
+def shared_forwards(conts):
+    """The forwards shared_prompt_logprobs (max_tokens None) runs: the prompt, then one per length group."""
+    return 1 + len(length_groups([len(c) for c in conts]))
 
 
-def backward(model, loss, world, last):
+def lockstep_plan(batch, world, forwards):
+    """FSDP's collectives need every rank to run as many forwards and backwards. A global batch (example indices)
+    goes to the ranks in turn, one example per micro-batch; every rank computes the same plan from data all ranks
+    hold, so lock-step needs no message: (each rank's indices, the forwards of each micro-batch on every rank:
+    the most any rank's example runs, forwards(i) of it, at least one).)"""
+    shares = [batch[r::world] for r in range(world)]
+    return shares, [max(max(1, forwards(s[j])) if j < len(s) else 1 for s in shares)
+                    for j in range(max(map(len, shares)))]
+
+
+def pad_forwards(model, planned, world):
+    """Zero-weight forwards until this rank has run `planned` in this lock-step region (under torchrun); their sum,
+    or None. More than planned means the stage's forward count is wrong, which would hang the other ranks: raised."""
+    if model.forwards > planned:
+        raise RuntimeError(f"{model.forwards} forwards where the lock-step plan had {planned}: the stage's forward "
+                           f"count (seq_forwards / shared_forwards) does not match what its loss runs")
+    return dummy_forwards(model, planned - model.forwards) if world > 1 and planned > model.forwards else None
+
+
+def backward(model, loss, world, last, planned):
     """One micro-batch's backward, in lock-step with the other ranks: a rank with no example left
-    (loss=None) runs one zero-weight forward, and every rank joins the others' remaining forwards
-    (join_forwards), so that all run the same collectives. FSDP averages gradients over ranks; the
-    loss is already divided by the global batch size, so it is multiplied by world here. Gradients
-    are reduced only at the last micro-batch."""
+    (loss=None) runs one zero-weight forward, and every rank pads its forwards to the plan's (lockstep_plan), so
+    that all run the same collectives. FSDP averages gradients over ranks; the loss is already divided by the
+    global batch size, so it is multiplied by world here. Gradients are reduced only at the last micro-batch."""
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
         model.set_requires_gradient_sync(last)
     if loss is None or not loss.requires_grad:  # nothing to learn here, but a backward must exist
         loss = dummy_forwards(model, 1)
-    pad = join_forwards(model)
+    pad = pad_forwards(model, planned, world)
     ((loss if pad is None else loss + pad) * world).backward()
     model.forwards = 0
 
 
-def precompute(model, items, fn, rank, world, desc="reference log-probs"):
+def precompute(model, items, fn, rank, world, forwards, desc="reference log-probs"):
     """fn(model, item) -> json-able result for every item, without grad; items are split across ranks
-    in lock-step rounds and the results gathered on every rank (used to compute pi_ref log-probs
-    once, before training, and for held-out metrics)."""
+    in lock-step rounds (forwards(item): the forwards fn runs) and the results gathered on every rank (used
+    to compute pi_ref log-probs once, before training, and for held-out metrics)."""
     import math
     import torch
     import torch.distributed as dist
-    mine = list(range(rank, len(items), world))
     results = {}
     with torch.no_grad():
         for j in tqdm_if(range(math.ceil(len(items) / world)), rank == 0, desc):
-            if j < len(mine):
-                results[mine[j]] = fn(model, items[mine[j]])
-            join_forwards(model)  # the ranks' forwards in lock-step (count_forwards)
-    model.forwards = 0
+            mine = j * world + rank
+            if mine < len(items):
+                results[mine] = fn(model, items[mine])
+            pad_forwards(model, max(forwards(x) for x in items[j * world:(j + 1) * world]), world)
+            model.forwards = 0
     if world > 1:
         # FSDP2 leaves the root's parameters unsharded after a forward with no backward: reshard, or
         # an optimizer built next would hold the temporary unsharded tensors and never update them

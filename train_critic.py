@@ -191,7 +191,7 @@ def main(args):
 
     # pi_ref = the starting critic weights: its per-turn log-probs once, before any update
     ref_fn = lambda m, t: common.turn_logprobs(m, t["seqs"], len(t["turns"]))[0].tolist()
-    for t, ref_sum in zip(trajs, common.precompute(critic, trajs, ref_fn, rank, world)):
+    for t, ref_sum in zip(trajs, common.precompute(critic, trajs, ref_fn, rank, world, lambda t: common.seq_forwards(t["seqs"]))):
         t["ref_sum"] = ref_sum
 
     def score(m, t):
@@ -207,13 +207,16 @@ def main(args):
         return loss, {"n": 1, "loss": loss.detach(), "acc": (diff > 0).float(), "margin": diff,
                       "tokens": sum(len(s[0]) for t in pair for s in t["seqs"])}  # tensors: no host sync
 
+    def pair_forwards(pair):
+        return sum(common.seq_forwards(t["seqs"]) for t in pair)
+
     def pair_metrics(name, eval_pairs):
         """loss, acc and margin of the current critic on eval_pairs, without grad."""
         if not eval_pairs:
             return {}
         critic.eval()
         margin = lambda m, pair: (score(m, pair[0]) - score(m, pair[1])).item()
-        margins = torch.tensor(common.precompute(critic, eval_pairs, margin, rank, world, desc=f"{name} pairs"))
+        margins = torch.tensor(common.precompute(critic, eval_pairs, margin, rank, world, pair_forwards, f"{name} pairs"))
         critic.train()
         return {f"{name}_loss": F.softplus(-margins).mean().item(), f"{name}_acc": (margins > 0).float().mean().item(),
                 f"{name}_margin": margins.mean().item()}
@@ -232,16 +235,16 @@ def main(args):
         if step <= start:
             continue  # done before the restart
         t0, sums = time.time(), dict.fromkeys(("n", "loss", "acc", "margin", "tokens"), 0)
-        local = [train_pairs[i] for i in batch[rank * len(batch) // world:(rank + 1) * len(batch) // world]]  # this rank's share
-        n_micro = common.lockstep(len(local))  # one pair per micro-batch; every rank runs as many
-        for j in range(n_micro):
+        shares, plan = common.lockstep_plan(batch, world, lambda i: pair_forwards(train_pairs[i]))
+        local = [train_pairs[i] for i in shares[rank]]  # this rank's share, one pair per micro-batch
+        for j, planned in enumerate(plan):
             loss = None
             if j < len(local):
                 loss, metrics = pair_loss(critic, local[j])
                 loss = loss / len(batch)  # the step's gradient is the mean over the global batch
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0) + v
-            common.backward(critic, loss, world, last=j == n_micro - 1)
+            common.backward(critic, loss, world, j == len(plan) - 1, planned)
         lr = args.lr * common.lr_factor(step, len(batches), args.schedule)
         grad_norm = common.optimizer_step(critic, opt, lr)
         sums, seconds = common.step_sums(sums, grad_norm), time.time() - t0

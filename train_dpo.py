@@ -162,6 +162,12 @@ def main(args):
         total, count = common.turn_logprobs(m, seqs, n_turns)
         return total.sum(), count.sum()
 
+    def forwards(ex):
+        """The forwards loss_fn (and pi_ref's log-probs) run on one example."""
+        if "shared" in ex:
+            return common.shared_forwards(ex["shared"][1])
+        return sum(common.seq_forwards(ex[side + "_seqs"]) for side in ("chosen", "rejected") if side + "_seqs" in ex)
+
     def pair_logps(m, ex):
         """logp(a+), logp(a-) (summed over turns), tokens of a+, and tokens forwarded, for one pair."""
         if "shared" in ex:
@@ -173,7 +179,7 @@ def main(args):
 
     if args.mode != "sft":  # pi_ref log-probs once, with the starting weights
         ref_fn = lambda m, ex: [x.item() for x in pair_logps(m, ex)[:2]]
-        for ex, (c, r) in zip(examples, common.precompute(model, examples, ref_fn, rank, world)):
+        for ex, (c, r) in zip(examples, common.precompute(model, examples, ref_fn, rank, world, forwards)):
             ex["ref_chosen"], ex["ref_rejected"] = c, r
 
     def sft_loss(m, ex):
@@ -212,16 +218,16 @@ def main(args):
         if step <= start:
             continue  # done before the restart
         t0, sums = time.time(), dict.fromkeys(keys, 0)
-        local = [examples[i] for i in batch[rank::world]]  # this rank's share of the global batch
-        n_micro = common.lockstep(len(local))
-        for j in range(n_micro):  # one example per micro-batch: memory holds one example's graph
+        shares, plan = common.lockstep_plan(batch, world, lambda i: forwards(examples[i]))
+        local = [examples[i] for i in shares[rank]]  # this rank's share of the global batch
+        for j, planned in enumerate(plan):  # one example per micro-batch: memory holds one example's graph
             loss = None
             if j < len(local):
                 loss, metrics = loss_fn(model, local[j])
                 loss = loss / len(batch)  # the step's gradient is the mean over the global batch
                 for k, v in {"n": 1, **metrics}.items():
                     sums[k] = sums.get(k, 0) + v
-            common.backward(model, loss, world, last=j == n_micro - 1)
+            common.backward(model, loss, world, j == len(plan) - 1, planned)
         lr = args.lr * common.lr_factor(step, len(batches), args.schedule)
         grad_norm = common.optimizer_step(model, opt, lr)
         sums = common.step_sums(sums, grad_norm)

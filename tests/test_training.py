@@ -479,3 +479,19 @@ def test_a_training_step_syncs_the_host_once(tiny_model, tmp_path, monkeypatch):
         three = syncs(main, args, 3)
         steps = len(read_jsonl(tmp_path / args(3).output_dir / "log.jsonl")) - len(read_jsonl(tmp_path / args(1).output_dir / "log.jsonl"))
         assert steps == 8 and three - one == steps, reads  # 4 steps an epoch
+
+
+def test_lockstep_plan_pads_every_rank_to_the_most_forwards(tiny_model):
+    """Each micro-batch runs, on every rank, the most forwards any rank's example needs (at least one; a rank
+    with no example left runs one); a loss that runs more than its plan says is stopped with the reason."""
+    shares, plan = common.lockstep_plan([0, 1, 2, 3, 4], 2, lambda i: [3, 1, 0, 2, 5][i])
+    assert shares == [[0, 2, 4], [1, 3]] and plan == [3, 2, 5]
+    model = common.count_forwards(AutoModelForCausalLM.from_pretrained(tiny_model))
+    ids = torch.tensor([[1, 2, 3]])
+    model(input_ids=ids)
+    pad = common.pad_forwards(model, 3, world=2)  # two zero-weight forwards join the one run
+    assert model.forwards == 3 and pad.requires_grad and pad.item() == 0.0
+    assert common.pad_forwards(model, 3, world=1) is None  # one process: nothing to wait for
+    model(input_ids=ids)
+    with pytest.raises(RuntimeError, match="4 forwards where the lock-step plan had 3"):
+        common.pad_forwards(model, 3, world=2)

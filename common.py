@@ -614,8 +614,9 @@ def shard_model(model, world, device, dtype=None):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(device.type, (world,))
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    layers = model.model.layers
+    for i, layer in enumerate(layers):  # the last layer stays gathered after its forward: its backward comes next
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
     return count_forwards(fully_shard(model, mesh=mesh, mp_policy=mp))
 
 

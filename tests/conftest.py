@@ -93,3 +93,9 @@ def saved_step(resume_dir):
         return json.loads((Path(resume_dir) / "meta.json").read_text())["step"]
     except FileNotFoundError:
         return 0
+
+
+def pytest_collection_modifyitems(items):
+    """The whole-loop runs of run.sh (the three longest tests) first, so that the shorter tests fill the other
+    worker beside them instead of one worker running a long test alone at the end."""
+    items.sort(key=lambda item: item.path.name != "test_run_sh.py")

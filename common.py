@@ -811,8 +811,8 @@ def shared_forwards(conts):
 def lockstep_plan(batch, world, forwards):
     """FSDP's collectives need every rank to run as many forwards and backwards. A global batch (example indices)
     goes to the ranks in turn, one example per micro-batch; every rank computes the same plan from data all ranks
-    hold, so lock-step needs no message: (each rank's indices, the forwards of each micro-batch on every rank:
-    the most any rank's example runs, forwards(i) of it, at least one).)"""
+    hold, so lock-step needs no message. Returns (each rank's indices, the forwards each micro-batch runs on
+    every rank: the most that any rank's example runs, forwards(i), and at least one)."""
     shares = [batch[r::world] for r in range(world)]
     return shares, [max(max(1, forwards(s[j])) if j < len(s) else 1 for s in shares)
                     for j in range(max(map(len, shares)))]

@@ -206,7 +206,7 @@ def label(args, todo, critic_dirs, critic_settings, ref_name, policy_name, rng, 
     sampler = None
     if args.agent_backend == "vllm":  # vLLM first, with its share of the GPU; the critics and pi_ref fit after it
         from transformers import AutoConfig
-        share = args.gpu_memory_utilization or gpu_share(torch.cuda.mem_get_info()[1], AutoConfig.from_pretrained(
+        share = args.gpu_memory_utilization or gpu_share(models.gpu_total_bytes(), AutoConfig.from_pretrained(
             models.resolve_model(ref_name)), len(critic_dirs) + 1, args.max_batch_tokens, args.max_len)
         print(f"vLLM takes {share:.3f} of the GPU's memory", file=sys.stderr)
         sampler = models.make_sampler("vllm", policy_name, args.temperature, args.top_p, args.max_new_tokens, args.seed,

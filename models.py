@@ -415,6 +415,19 @@ def pin_gpu(env=None):
         env.update(gpu, SWEETRL_GPU_PINNED="1")
 
 
+def gpu_total_bytes(env=None):
+    """This process's GPU's memory (the first of CUDA_VISIBLE_DEVICES), asked of NVML so that CUDA is not
+    initialised before a vLLM engine starts. NVML counts GPUs in PCI order; CUDA_DEVICE_ORDER=PCI_BUS_ID makes
+    CUDA's the same on a node of mixed GPUs."""
+    import pynvml  # nvidia-ml-py: a vLLM requirement
+    env = os.environ if env is None else env
+    pynvml.nvmlInit()
+    first = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+    handle = (pynvml.nvmlDeviceGetHandleByUUID(first) if first.startswith(("GPU-", "MIG-"))
+              else pynvml.nvmlDeviceGetHandleByIndex(int(first)))
+    return pynvml.nvmlDeviceGetMemoryInfo(handle).total
+
+
 VLLM_PORTS = 29600, 32  # the first port of rank 0's vLLM engine, and how many ports each rank's engine may try
 
 

@@ -170,3 +170,45 @@ def test_ranks_build_the_model_empty_and_get_their_shards_from_rank_0(tmp_path):
                         str(tmp_path / "materialise.py"), tied, str(ROOT)], capture_output=True, text=True,
                        env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert p.returncode == 0 and p.stdout.count(" ok") == 2, p.stdout[-3000:] + p.stderr[-3000:]
+
+
+COLLECTIVES = """
+import inspect, json, pathlib, sys, torch.distributed as dist
+sys.path.insert(0, sys.argv[2])
+import common, train_dpo
+ours = {str(pathlib.Path(m.__file__).resolve()) for m in (common, train_dpo)}
+calls = []
+for name in ("all_reduce", "all_gather_object", "broadcast", "barrier", "all_gather"):
+    real = getattr(dist, name)
+    def counted(*a, _real=real, _name=name, **k):
+        if inspect.currentframe().f_back.f_code.co_filename in ours:
+            calls.append(_name)
+        return _real(*a, **k)
+    setattr(dist, name, counted)
+counts = []
+for epochs in (1, 3):
+    calls.clear()
+    out = pathlib.Path(sys.argv[3]) / f"e{epochs}"
+    train_dpo.main(train_dpo.Args(mode="trajectory", trajectories=sys.argv[4], output_dir=str(out), model=sys.argv[1],
+                                  lr=1e-3, epochs=epochs, batch_size=4))
+    counts.append((len(calls), sum(1 for _ in open(out / "log.jsonl"))))
+print("COUNTS", json.dumps(counts), flush=True)
+common.close_distributed()
+"""
+
+
+def test_a_step_under_torchrun_makes_two_collectives_and_no_forward_messages(tiny_model, tmp_path):
+    """Under torchrun the project's own collectives grow by two per extra step (the step's metrics with the gradient
+    norm, and whether a save is due), whatever the forwards: lock-step is planned, not messaged. FSDP's own
+    collectives (inside torch) are not counted."""
+    tok = models.load_tokenizer(tiny_model)
+    write_graded(tok, tmp_path / "g.jsonl", n_tasks=8)
+    (tmp_path / "collectives.py").write_text(COLLECTIVES)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(tmp_path / "collectives.py"), tiny_model, str(ROOT), str(tmp_path), str(tmp_path / "g.jsonl")],
+                       capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    import json
+    (one, steps_one), (three, steps_three) = json.loads(p.stdout.split("COUNTS ")[1].splitlines()[0])
+    assert steps_three - steps_one == 4  # 8 pairs (one a task), 4 a step: 2 steps an epoch
+    assert three - one == 2 * (steps_three - steps_one), (one, three)

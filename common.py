@@ -740,6 +740,8 @@ class Checkpointer:
         self.last, self.pending = time.time(), None
 
     def after_step(self, model, opt, step, last_step):
+        if self.seconds == float("inf"):  # never (the same on every rank): no collective either
+            return
         due = not last_step and time.time() - self.last >= self.seconds
         if all_reduce(float(due), "max") > 0:
             self.finish()

@@ -225,8 +225,9 @@ def words(text):
     return out
 
 
-def scripted_reply(hidden, question, max_lines=2):
-    """At most two hidden lines relevant to the question, else "I don't know"."""
+def scripted_reply(hidden, question, max_lines=1):
+    """The hidden line most relevant to the question (the most shared words; the first on a tie), else
+    "I don't know": one fact a reply, so every fact costs the agent a turn."""
     q = words(question)
     scored = []
     for i, line in enumerate(l for l in hidden.splitlines() if l.strip()):

@@ -1,17 +1,31 @@
-"""Turn-credit diagnostics: how well a critic ranks candidate turns, checked against ground truth.
-A library of label_turns.py (which writes PAIRS.credit.json) and evaluate.py (which reports it).
+"""Turn credit: how well a critic ranks candidate turns, checked against what the reward decides.
 
-On procedural tasks the scripted human's facts give every candidate turn a true class: on code
-(colbench.turn_class) a question that reveals an unknown fact, or an answer that passes the tests, is
-good; on pages (colbench.design_turn_class) a question or a draft that reveals an unknown design
-fact, or an answer whose render matches every design fact. A critic is scored on every two
-candidates of a state whose classes differ, beside the best state-blind order of turn kinds.
+**credit_accuracy** (the metric): on a fixed sample of labelled states, every candidate's value under
+the policy that sampled it, by Monte Carlo: an answer ends the dialogue and is graded once (exact); any
+other turn is continued --continuations (16) times by that policy with the human (rollout.py --prefixes)
+and its value is the mean outcome (code: all tests pass; html: the similarity). Only pairs whose values
+differ significantly count; a critic scores the share it orders the same way (ties half). Beside it:
+the estimate's own split-half agreement (two halves of the continuations; the ceiling) and the best
+state-blind order of turn kinds on the same pairs (what a blanket preference earns).
+
+    python credit.py --pairs RUN/pairs.jsonl --trajectories RUN/train_graded.jsonl --max_turns 5
+    python rollout.py --prefixes RUN/pairs.jsonl.mc.jsonl --output RUN/pairs.jsonl.mc_rollouts.jsonl ...
+    python evaluate.py --input RUN/pairs.jsonl.mc_rollouts.jsonl --output RUN/pairs.jsonl.mc_graded.jsonl
+    (run.sh does these; label_turns.py and evaluate.py --credit then report them in PAIRS.credit.json)
+
+A diagnostic beside it, on procedural tasks, by kind of pair: the scripted human's facts give every
+candidate a true class (code: colbench.turn_class, a question that reveals an unknown fact or an
+answer that passes the tests is good; pages: colbench.design_turn_class), and **class_accuracy** scores
+a critic on every two candidates of a state whose classes differ, whether or not the reward orders them.
 """
 from __future__ import annotations
 
 import itertools
 import json
+import math
+import random
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import colbench
@@ -65,8 +79,8 @@ def state_dialogue(traj, turn):
     return traj["dialogue_history"]
 
 
-def credit_accuracy(states, name):
-    """Turn-credit accuracy of one critic over labelled states: among every two candidates of a state
+def class_accuracy(states, name):
+    """Class accuracy of one critic over labelled states: among every two candidates of a state
     whose ground-truth classes differ, the share where the critic gives the good one the higher
     advantage (ties count half). Returns (accuracy or None, number of such pairs)."""
     scores = [hit for *_, hit in class_pairs(states, name)]
@@ -108,7 +122,7 @@ def kind_order(states):
     for order in itertools.permutations(sorted({k for _, kinds in labelled for k in kinds})):
         rank = {kind: -i for i, kind in enumerate(order)}
         ranked = [{"classes": classes, "advantages_by_critic": {"kinds": [rank[k] for k in kinds]}} for classes, kinds in labelled]
-        acc = credit_accuracy(ranked, "kinds")[0]
+        acc = class_accuracy(ranked, "kinds")[0]
         if acc is not None and (best is None or acc > best["accuracy"]):
             best = {"order": " > ".join(order), "accuracy": acc}
     return best
@@ -119,11 +133,11 @@ def kind_order_line(k):
 
 
 def accuracies(states, critics):
-    """Every critic's turn-credit accuracy (and 'untrained', pi_ref: advantage 0 for every turn), its
-    split by kind, and the state-blind kind order beside them."""
-    out = {"credit_accuracy": {}, "class_pairs": {}}
+    """Every critic's class accuracy (and 'untrained', pi_ref: advantage 0 for every turn), its split by
+    kind, and the state-blind kind order beside them."""
+    out = {"class_accuracy": {}, "class_pairs": {}}
     for name in [*critics, "untrained"]:
-        out["credit_accuracy"][name], out["class_pairs"][name] = credit_accuracy(states, name)
+        out["class_accuracy"][name], out["class_pairs"][name] = class_accuracy(states, name)
     return {**out, "by_kind": {name: credit_by_kind(states, name) for name in critics}, "kind_order": kind_order(states)}
 
 
@@ -150,25 +164,177 @@ def dpo_pair_classes(states, pairs):
 
 
 def report(out_path, critics=None):
-    """Turn-credit accuracy of every critic (names; default: all in the states file) on the labelled states of
-    out_path (label_turns' PAIRS), printed and written to PAIRS.credit.json. 'untrained' is pi_ref itself as
-    critic: its advantage is 0 for every turn."""
+    """Turn credit of every critic (names; default: all in the states file) on the labelled states of out_path
+    (label_turns' PAIRS), printed and written to PAIRS.credit.json: credit_accuracy on the pairs the reward decides
+    (once the Monte-Carlo continuations are graded, PAIRS.mc_graded.jsonl) and the class diagnostics. 'untrained' is
+    pi_ref itself as critic: its advantage is 0 for every turn."""
     states = [r for _, r in common.read_jsonl(Path(f"{out_path}.states.jsonl"))] if Path(f"{out_path}.states.jsonl").exists() else []
     for s in states:  # the untrained critic is pi_ref: log pi_ref - log pi_ref = 0 for every turn
         if "advantages_by_critic" in s:
             s["advantages_by_critic"]["untrained"] = [0.0] * len(s["candidates"])
     if critics is None:
         critics = list(dict.fromkeys(k for s in states for k in s.get("advantages_by_critic", {}) if k != "untrained"))
-    report = {"states": len(states), "states_with_classes": sum("classes" in s for s in states), **accuracies(states, critics)}
+    report = {"states": len(states), "states_with_classes": sum("classes" in s for s in states)}
+    if Path(mc_paths(out_path)[2]).exists():
+        report.update(mc_report(states, mc_values(out_path), critics))
+        print(mc_line(report), file=sys.stderr)
     if report["states_with_classes"]:
+        report.update(accuracies(states, critics))
         pairs = [r for _, r in common.read_jsonl(out_path)] if Path(out_path).exists() else []
         report["dpo_pairs"] = dpo_pair_classes(states, pairs)
-        common.write_text(f"{out_path}.credit.json", json.dumps(report, indent=2))
-        print("turn-credit accuracy (pairs of candidates with different true classes): " +
-              accuracy_line(report["credit_accuracy"]), file=sys.stderr)
-        print(kind_order_line(report["kind_order"]), file=sys.stderr)
+        print("diagnostic, class accuracy (candidates of different true classes): " +
+              accuracy_line(report["class_accuracy"]) + "; " + kind_order_line(report["kind_order"]), file=sys.stderr)
         print("DPO pairs against the true classes: " + ", ".join(f"{k} {v}" for k, v in report["dpo_pairs"].items()),
               file=sys.stderr)
         for name, split in report["by_kind"].items():
             print(f"  {name}: " + ", ".join(f"{k} {a:.3f} ({n})" for k, (a, n) in split.items()), file=sys.stderr)
+    if len(report) > 2:
+        common.write_text(f"{out_path}.credit.json", json.dumps(report, indent=2))
     return report
+
+
+# ----------------------------------------------------------------------------------------------
+# Turn credit the reward decides: Monte-Carlo values of the candidates of a fixed sample of states
+# ----------------------------------------------------------------------------------------------
+def mc_paths(pairs):
+    """(the dialogues to continue or grade, their rollouts, graded) beside label_turns' PAIRS."""
+    return f"{pairs}.mc.jsonl", f"{pairs}.mc_rollouts.jsonl", f"{pairs}.mc_graded.jsonl"
+
+
+def is_answer(candidate, turn, max_turns):
+    return colbench.ANSWER_MARKER in colbench.split_output(candidate)[0] or turn >= max_turns - 1
+
+
+def mc_prefixes(states, trajectories, args):
+    """The dialogues whose outcomes value the candidates of args.states labelled states (drawn with args.seed
+    among those with two distinct candidates): each distinct answer once (its grade is its value) and up to
+    args.questions distinct other turns args.continuations times each. A row: {task, sample, dialogue_history,
+    mc_state: [task_id, sample, turn], mc_candidate: index in the state's candidates}."""
+    trajs = {(t["task_id"], t.get("sample", 0)): t for t in trajectories}
+    states = [s for s in states if len(set(s["candidates"])) > 1]
+    random.Random(args.seed).shuffle(states)
+    rows = []
+    for s in states[: args.states]:
+        t, rng = trajs[(s["task_id"], s["sample"])], random.Random(f"{args.seed}/{s['task_id']}/{s['sample']}/{s['turn']}")
+        before, first = state_dialogue(t, s["turn"]), {}
+        for ci, c in enumerate(s["candidates"]):
+            first.setdefault(c, ci)
+        answers = [ci for c, ci in first.items() if is_answer(c, s["turn"], args.max_turns)]
+        others = [ci for ci in first.values() if ci not in answers]
+        for ci in answers + rng.sample(others, min(args.questions, len(others))):
+            content, stored = colbench.split_output(s["candidates"][ci])
+            for _ in range(1 if ci in answers else args.continuations):
+                rows.append({"task": t["task"], "sample": len(rows), "mc_state": [s["task_id"], s["sample"], s["turn"]],
+                             "mc_candidate": ci, "exact": ci in answers,
+                             "dialogue_history": before + [{"role": "assistant", "content": content, "output": stored}]})
+    return rows
+
+
+def mc_values(pairs):
+    """{(task_id, sample, turn): {candidate index: (exact, [outcomes])}} from the graded continuations; the outcome
+    is success on code (all tests pass) and the reward (similarity) on pages."""
+    prefixes, _, graded = mc_paths(pairs)
+    which = {r["sample"]: r for _, r in common.read_jsonl(prefixes)}
+    values = {}
+    for _, r in common.read_jsonl(graded):
+        p = which[r["sample"]]
+        outcome = float(r["success"]) if "test_cases" in p["task"] else float(r["reward"])
+        values.setdefault(tuple(p["mc_state"]), {}).setdefault(p["mc_candidate"], (p["exact"], []))[1].append(outcome)
+    return values
+
+
+def mean_and_variance(exact, xs):
+    """A candidate's value and the variance of that estimate: 0 for an answer's grade; for continuations the
+    sample variance shrunk toward 0.25 (the most a 0-1 outcome has) by one pseudo-observation, over n."""
+    m = sum(xs) / len(xs)
+    if exact:
+        return m, 0.0
+    return m, (sum((x - m) ** 2 for x in xs) + 0.25) / len(xs) / len(xs)
+
+
+def decided_pairs(values, z=1.96):
+    """[(state key, better index, worse index, halves agree: 1 / 0.5 / 0)] for every two valued candidates of a
+    state whose values differ by more than z standard errors (two exact values: by anything). The halves are
+    the even and odd continuations, each ordering the pair on its own (an answer's grade serves both)."""
+    out = []
+    for key, cands in values.items():
+        for (i, (ei, xi)), (j, (ej, xj)) in itertools.combinations(sorted(cands.items()), 2):
+            (mi, vi), (mj, vj) = mean_and_variance(ei, xi), mean_and_variance(ej, xj)
+            if mi == mj or abs(mi - mj) <= z * math.sqrt(vi + vj):
+                continue
+            hi, lo = (i, j) if mi > mj else (j, i)
+            half = lambda k, h: (lambda xs: sum(xs) / len(xs))(cands[k][1] if cands[k][0] else cands[k][1][h::2])
+            signs = [(half(hi, h) > half(lo, h)) - (half(hi, h) < half(lo, h)) for h in (0, 1)]
+            out.append((key, hi, lo, 1.0 if signs[0] == signs[1] != 0 else 0.5 if 0 in signs else 0.0))
+    return out
+
+
+def mc_report(states, values, critics):
+    """credit_accuracy of every critic on the decided pairs, with the split-half agreement, the best state-blind
+    order of turn kinds and the pairs by kind."""
+    by_key = {(s["task_id"], s["sample"], s["turn"]): s for s in states}
+    decided = [d for d in decided_pairs(values) if d[0] in by_key]
+    hit = lambda adv, i, j: 1.0 if adv[i] > adv[j] else 0.5 if adv[i] == adv[j] else 0.0
+    acc = {}
+    for name in [*critics, "untrained"]:
+        hits = [hit(by_key[k]["advantages_by_critic"][name], i, j) for k, i, j, _ in decided
+                if name in by_key[k].get("advantages_by_critic", {})]
+        acc[name] = sum(hits) / len(hits) if hits else None
+    kind = lambda k, i: colbench.turn_kind(by_key[k]["candidates"][i])
+    best, kinds = None, sorted({kind(k, i) for k, a, b, _ in decided for i in (a, b)})
+    for order in itertools.permutations(kinds):
+        rank = {x: -n for n, x in enumerate(order)}
+        a = sum(hit([rank[kind(k, i)], rank[kind(k, j)]], 0, 1) for k, i, j, _ in decided) / max(1, len(decided))
+        if best is None or a > best["accuracy"]:
+            best = {"order": " > ".join(order), "accuracy": a}
+    split = {}
+    for k, i, j, _ in decided:
+        split[f"{kind(k, i)} > {kind(k, j)}"] = split.get(f"{kind(k, i)} > {kind(k, j)}", 0) + 1
+    return {"credit_accuracy": acc, "credit_pairs": len(decided), "credit_states": len(values),
+            "credit_split_half": sum(d[3] for d in decided) / len(decided) if decided else None,
+            "credit_kind_order": best if decided else None, "credit_pairs_by_kind": dict(sorted(split.items()))}
+
+
+def mc_line(r):
+    """credit_accuracy with its ceiling and the state-blind baseline, in words."""
+    if not r.get("credit_pairs"):
+        return f"turn-credit accuracy: no pair of candidates the reward decides on {r.get('credit_states', 0)} states"
+    return (f"turn-credit accuracy on the {r['credit_pairs']} pairs the reward decides: {accuracy_line(r['credit_accuracy'])}"
+            f"\n  split-half agreement of the values (the ceiling) {r['credit_split_half']:.3f}; "
+            + kind_order_line(r["credit_kind_order"]))
+
+
+@dataclass
+class Args:
+    pairs: str
+    """label_turns.py's output (its PAIRS.states.jsonl holds the candidates); writes PAIRS.mc.jsonl"""
+    trajectories: str
+    """the graded dialogues label_turns.py read (the states' dialogues)"""
+    max_turns: int = 10
+    """the rollouts' --max_turns: a candidate at the last turn is an answer"""
+    states: int = 12
+    """labelled states to value (a fixed sample, drawn with --seed)"""
+    continuations: int = 16
+    """dialogues after each non-answer candidate"""
+    questions: int = 2
+    """non-answer candidates valued per state (distinct texts, drawn at random); every distinct answer is"""
+    seed: int = 0
+
+
+def main(args):
+    common.refuse(args.continuations < 2 and "--continuations must be at least 2 (two halves)",
+                  args.states < 1 and "--states must be at least 1",
+                  not Path(f"{args.pairs}.states.jsonl").exists() and f"{args.pairs}.states.jsonl: not found (run label_turns.py)")
+    out = mc_paths(args.pairs)[0]
+    if Path(out).exists():
+        print(f"reusing {out}")
+        return
+    rows = mc_prefixes([r for _, r in common.read_jsonl(f"{args.pairs}.states.jsonl")],
+                       colbench.load_graded(args.trajectories), args)
+    common.refuse(not rows and f"{args.pairs}.states.jsonl: no labelled state with two distinct candidates")
+    common.write_jsonl(out, rows)
+    print(f"wrote {out}: {len(rows)} dialogues to continue or grade ({sum(r['exact'] for r in rows)} answers)")
+
+
+if __name__ == "__main__":
+    common.run(main, Args, __doc__)

@@ -269,10 +269,9 @@ def compare(args):
                 e = [exact_task[name][t] - exact_task[base][t] for t in tasks]
                 paired[name].update(exact_design_diff=sum(e) / len(e), exact_design_ci95=bootstrap_ci(e, args.bootstrap))
     if args.credit:
-        credit_report = credit.report(args.credit)
-        res["credit_accuracy"] = credit_report["credit_accuracy"]
-        if credit_report.get("kind_order"):  # the accuracy of a fixed order of turn kinds, the baseline to beat
-            res["credit_kind_order"] = credit_report["kind_order"]
+        credit_report = credit.report(args.credit)  # on the pairs the reward decides, and the class diagnostic
+        res.update({k: credit_report[k] for k in ("credit_accuracy", "credit_pairs", "credit_states", "credit_split_half",
+                                                  "credit_kind_order", "class_accuracy") if k in credit_report})
     last = "exact design" if html else "tests passed"
     print(f"{'method':<16}{score:>11}{'95% interval':>18}{'vs ' + base:>14}{'95% interval':>18}{last:>14}"
           + (f"{'win rate':>10}{'95% interval':>16}" if html else ""))
@@ -307,10 +306,10 @@ def compare(args):
         print("where the dialogues ended: " + " / ".join(colbench.OUTCOMES))
         for name, o in outcomes.items():
             print(f"  {name:<16}" + " / ".join(str(o.get(k, 0)) for k in colbench.OUTCOMES))
-    if res.get("credit_accuracy"):
-        print("turn-credit accuracy: " + ", ".join(f"{k} {v:.3f}" for k, v in res["credit_accuracy"].items() if v is not None))
-        if res.get("credit_kind_order"):
-            print(f"  {credit.kind_order_line(res['credit_kind_order'])}")
+    if "credit_pairs" in res:
+        print(credit.mc_line(res))
+    if res.get("class_accuracy"):
+        print("  diagnostic, class accuracy: " + credit.accuracy_line(res["class_accuracy"]))
     if args.select:  # max() keeps the first of equal values: the starting policy, then the least-trained snapshot
         best = max(res["methods"], key=lambda n: res["methods"][n][score])
         res["selected"], res["selected_policy"] = best, res["methods"][best]["policy"]

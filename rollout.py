@@ -82,8 +82,9 @@ class Args:
     """dialogues generated together (hf/vllm) or in flight (openai)"""
     oracle_hasty: float = 0.0
     """oracle backend: share of dialogues with a budget of fewer questions than facts, guessing the rest"""
-    oracle_detour: float = 0.0
-    """oracle backend: chance that a question is wasted (asks again about a revealed fact, or about nothing the facts cover)"""
+    oracle_mistake: float = 0.0
+    """oracle backend: chance that a turn is a mistake: a wasted question (asks again about a revealed fact, or about
+    nothing the facts cover); on code also an informed answer that breaks one fact it was told"""
     reuse_cache: bool = True
     """hf backend: keep each dialogue's KV cache from turn to turn, so a turn runs only its new tokens; then all
     --batch_size dialogues decode as one batch (without it: in sub-batches of bounded size), and their caches
@@ -172,7 +173,7 @@ def html_oracle_turn(task, dialogue, turn, plan, rng, args):
         return DESIGN_QUESTIONS[rng.choice(nothing_new)] if nothing_new and rng.random() < 0.5 else rng.choice(HTML_DETOURS)
     if answer_now or approved:
         return f"{colbench.ANSWER_MARKER}\n{page()}"
-    if rng.random() < args.oracle_detour:
+    if rng.random() < args.oracle_mistake:
         return wasted()
     if rng.random() < 0.5:
         return f"Here is a draft. What should change?\n{page()}"
@@ -184,10 +185,11 @@ class OracleAgent:
     fact not yet revealed, and answers with the ground truth once every fact is known. With
     --oracle_hasty p, a dialogue instead (with probability p) has a budget of questions, fewer than
     the facts, and answers once it is spent, with the ground truth whose unheard constants are
-    guessed (guess_answer). With --oracle_detour q, each question is (with probability q) a wasted
-    one: it asks again about a fact already revealed, or about something the facts never cover.
-    A wasted question spends the budget too, so a hasty dialogue that detours learns fewer facts:
-    asking the wrong thing costs the outcome, the turn mistake SWEET-RL's critic must find.
+    guessed (guess_answer). With --oracle_mistake q, each turn is (with probability q) a mistake: a
+    question asks again about a fact already revealed, or about something the facts never cover; an
+    answer given with every fact known breaks one of them (a slip: that fact's constants guessed).
+    A wasted question spends a turn of the budget (--max_turns) and of a hasty plan, so it can cost
+    the outcome: the turn mistakes SWEET-RL's critic must find, in dialogues that succeed and fail.
     Draws are seeded by (seed, task, sample, turn): reruns are identical."""
 
     def __init__(self, model, args):
@@ -208,11 +210,14 @@ class OracleAgent:
             facts = colbench.hidden_facts(task)
             known = colbench.revealed_facts(task, ep["dialogue"])
             answer_now = oracle_decides(plan, facts, known, turn, a)
-            if not answer_now and self.rng(ep, turn).random() < a.oracle_detour:  # a wasted question
-                r, heard = self.rng(ep, turn, "q"), sorted(known)
+            mistake, r, heard = self.rng(ep, turn).random() < a.oracle_mistake, self.rng(ep, turn, "q"), sorted(known)
+            if not answer_now and mistake:  # a wasted question
                 outs.append(oracle_question(r.choice(heard)) if heard and r.random() < 0.5 else r.choice(DETOURS))
             elif answer_now:
-                code = task["ground_truth"].strip() if len(known) == len(facts) else guess_answer(task, known, plan)
+                if len(known) < len(facts):  # hasty: the unheard facts guessed
+                    code = guess_answer(task, known, plan)
+                else:  # informed: the ground truth, or with a slip one heard fact broken
+                    code = guess_answer(task, known - {r.choice(heard)}, r) if mistake else task["ground_truth"].strip()
                 outs.append(f"{colbench.ANSWER_MARKER}\n{code}")
             else:
                 outs.append(oracle_question(next(f for f in facts if f not in known)))

@@ -20,6 +20,7 @@ PROMPT_DIR=${PROMPT_DIR:-} CLIP_MODEL=${CLIP_MODEL:-}  # prompt templates replac
 N_TRAIN=${N_TRAIN:-60} N_TEST=${N_TEST:-200} N_VAL=${N_VAL:-50} N_WARMUP=${N_WARMUP:-120}  # tasks (N_WARMUP=0: no warm-up)
 SAMPLES=${SAMPLES:-4} CANDIDATES=${CANDIDATES:-8}  # rollouts per train task; candidate turns per state (released: 3, 16)
 DATA_FRACTION=${DATA_FRACTION:-0.2}   # label_turns: share of train trajectories labelled (released: 0.1)
+MC_STATES=${MC_STATES:-12}            # labelled states whose candidates are valued by 16 continuations each (credit_accuracy)
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-96}  # longest agent turn
 LR_CRITIC=${LR_CRITIC:-1e-4} LR_DPO=${LR_DPO:-6e-6}  # released: 2e-7 both
 TRAIN_TRAJECTORIES=${TRAIN_TRAJECTORIES:-}  # trajectories in the released schema to train from, instead of train rollouts
@@ -33,11 +34,13 @@ if [ -z "$AGENT_BACKEND" ]; then AGENT_BACKEND=hf
   if [ "$EMB" = 0 ] && "$PY" -c 'import vllm' 2>/dev/null; then AGENT_BACKEND=vllm
   elif [ "$EMB" = 0 ] && nvidia-smi -L >/dev/null 2>&1; then echo "run.sh: $MODEL on a" \
     "GPU without vLLM: install requirements-gpu.txt, or set AGENT_BACKEND=hf to decode token by token on purpose" >&2; exit 1; fi; fi
-# the warm-up's starting share of hasty oracle dialogues, the band its validation success should land in, retries
-HASTY=0.8 BAND=0.25,0.5 TRIES=2; [ "$TASK_TYPE" = html ] && HASTY=0.5 BAND=0.15,0.5 TRIES=1
+# the warm-up's starting share of hasty oracle dialogues, its chance of a turn mistake, the band its validation
+# success should land in, retries; procedural code tasks: a budget of 5 agent turns for their 3 facts (docs/curriculum.md)
+HASTY=0.3 MISTAKE=0.25 BAND=0.25,0.5 TRIES=2 TURNS=10; [ "$TASK_TYPE" = html ] && HASTY=0.5 MISTAKE=0.2 BAND=0.15,0.5 TRIES=1
+[ "$TASK_TYPE" = code ] && [ -z "$TRAIN_TASKS$TEST_TASKS" ] && TURNS=5
 echo "run.sh: run directory $RUN$([ -d "$RUN" ] && echo ' (exists: finished stages are reused)')"
 for v in TASK_TYPE SMALL SEED MODEL TRAIN_TASKS TEST_TASKS SIMULATOR_URL NPROC AGENT_BACKEND BASELINES PROMPT_DIR CLIP_MODEL \
-  N_TRAIN N_TEST N_VAL N_WARMUP SAMPLES CANDIDATES DATA_FRACTION MAX_NEW_TOKENS LR_CRITIC LR_DPO TRAIN_TRAJECTORIES; do
+  N_TRAIN N_TEST N_VAL N_WARMUP SAMPLES CANDIDATES DATA_FRACTION MC_STATES MAX_NEW_TOKENS LR_CRITIC LR_DPO TRAIN_TRAJECTORIES; do
   printf '  %s=%s\n' "$v" "${!v-}"; done
 mkdir -p "$RUN"; free_kb=$(df -Pk "$RUN" | awk 'NR == 2 {print $4}')  # a whole embedded run writes 3.6 GB
 [ "$EMB" = 1 ] && [ "${free_kb:-0}" -lt 6291456 ] && echo "run.sh: warning: $((free_kb / 1048576)) GB free for $RUN (set RUN=dir)" >&2
@@ -59,7 +62,7 @@ fi
 log "simulated human at $SIMULATOR_URL"
 rollout() {  # rollout POLICY TASKS OUT [extra args, which win]
   sample "$3" rollout.py --agent_model "$1" --tasks "$2" --output "$3" --agent_backend "$AGENT_BACKEND" --simulator_url "$SIMULATOR_URL" \
-    --temperature 1.0 --top_p 1.0 --max_new_tokens "$MAX_NEW_TOKENS" --batch_size 64 --seed "$SEED" --task_type "$TASK_TYPE" \
+    --temperature 1.0 --top_p 1.0 --max_new_tokens "$MAX_NEW_TOKENS" --max_turns "$TURNS" --batch_size 64 --seed "$SEED" --task_type "$TASK_TYPE" \
     ${PROMPT_DIR:+--prompt_dir "$PROMPT_DIR"} "${@:4}"; }
 evaluate() { "$PY" evaluate.py --input "$1" --output "$RUN/${2}_graded.jsonl" --summary "$RUN/${2}_summary.json" \
   --task_type "$TASK_TYPE" --clip_model "$CLIP_MODEL" "${@:3}"; }  # evaluate IN NAME [extra]
@@ -85,7 +88,7 @@ if [ "$N_WARMUP" -gt 0 ] && [ -z "$TRAIN_TASKS" ]; then
   gen "$RUN/warmup_tasks.jsonl" --num_tasks "$N_WARMUP" --seed $((SEED + 3)) --exclude "$NOTV"
   for try in $(seq 0 "$TRIES"); do  # calibration: redo the warm-up with another hasty share until the start lies in BAND
     sfx=$([ "$try" = 0 ] || echo "_hasty$HASTY")
-    rollout "$MODEL" "$RUN/warmup_tasks.jsonl" "$RUN/warmup_oracle$sfx.jsonl" --agent_backend oracle --oracle_hasty "$HASTY" --oracle_detour 0.2
+    rollout "$MODEL" "$RUN/warmup_tasks.jsonl" "$RUN/warmup_oracle$sfx.jsonl" --agent_backend oracle --oracle_hasty "$HASTY" --oracle_mistake "$MISTAKE"
     evaluate "$RUN/warmup_oracle$sfx.jsonl" "warmup_oracle$sfx"
     train "$RUN/policy_warm$sfx" train_dpo.py --mode sft --sft_on all --trajectories "$RUN/warmup_oracle${sfx}_graded.jsonl" \
       --model "$MODEL" --lr 1e-4 --batch_size 8 --task_type "$TASK_TYPE"
@@ -122,7 +125,12 @@ ABLATION=(); if [ -z "$TRAIN_TASKS" ]; then  # procedural tasks: the no-informat
   ABLATION=(--credit_critics "no_training_info=$RUN/critic_no_training_info"); fi
 sample "$RUN/pairs.jsonl" label_turns.py --trajectories "$G" --critic "$RUN/critic" --output "$RUN/pairs.jsonl" \
   --agent_backend "$AGENT_BACKEND" --num_candidates "$CANDIDATES" --pairs_per_state 4 --data_fraction "$DATA_FRACTION" \
-  --temperature 1.0 --max_new_tokens "$MAX_NEW_TOKENS" --seed "$SEED" "${ABLATION[@]}"
+  --temperature 1.0 --max_new_tokens "$MAX_NEW_TOKENS" --max_turns "$TURNS" --seed "$SEED" "${ABLATION[@]}"
+log "turn credit the reward decides: the candidates of $MC_STATES labelled states valued by their continuations (credit.py)"
+"$PY" credit.py --pairs "$RUN/pairs.jsonl" --trajectories "$G" --max_turns "$TURNS" --seed "$SEED" --states "$MC_STATES"
+MC=$RUN/pairs.jsonl.mc; rollout "$POLICY" "" "${MC}_rollouts.jsonl" --prefixes "$MC.jsonl"
+[ -f "${MC}_graded.jsonl" ] || "$PY" evaluate.py --input "${MC}_rollouts.jsonl" --output "${MC}_graded.jsonl" --task_type "$TASK_TYPE" \
+  --clip_model "$CLIP_MODEL"
 dpo() { train "$RUN/policy_$1" train_dpo.py --model "$POLICY" --lr "$LR_DPO" --seed "$SEED" --task_type "$TASK_TYPE" \
   --train_layers "$TRAIN_LAYERS" $SNAP "${@:2}"; best_of "$1" "$RUN/policy_$1"; }
 dpo sweet --mode turn --pairs "$RUN/pairs.jsonl"; METHODS="zero_shot:$POLICY sweet_rl:$BEST"

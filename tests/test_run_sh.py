@@ -70,7 +70,14 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
     n_pairs = len((run / "pairs.jsonl").read_text().splitlines())
     assert set(report["dpo_pairs"]) == {"right", "wrong", "same_class"} and sum(report["dpo_pairs"].values()) == n_pairs
     states = read(run / "pairs.jsonl.states.jsonl")
-    assert states and res.get("credit_kind_order") == report["kind_order"] == credit.kind_order(states)
+    assert states and report["kind_order"] == credit.kind_order(states)  # the class diagnostic's state-blind order
+    # credit_accuracy: the candidates of a fixed sample of states valued by their continuations under the start
+    mc = read(run / "pairs.jsonl.mc.jsonl")
+    assert mc and {tuple(r["mc_state"]) for r in mc} <= {(s["task_id"], s["sample"], s["turn"]) for s in states}
+    assert all(sum(r["mc_candidate"] == c and r["mc_state"] == st for r in mc) == (1 if ex else 16)
+               for st, c, ex in {(tuple(r["mc_state"]), r["mc_candidate"], r["exact"]) for r in mc} for st in [list(st)])
+    assert len(read(run / "pairs.jsonl.mc_graded.jsonl")) == len(mc)
+    assert res["credit_pairs"] == report["credit_pairs"] and res.get("credit_kind_order") == report["credit_kind_order"]
     settings = json.loads((run / "critic" / "run_settings.json").read_text())
     assert settings["epochs"] == 4 and settings["train_layers"] == 0 and settings["grad_ckpt"] is True  # a real model:
     assert settings["schedule"] == "released"  # the released recipe

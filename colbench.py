@@ -226,19 +226,21 @@ def words(text):
 
 
 def scripted_reply(hidden, question, max_lines=1):
-    """The hidden line most relevant to the question (the most shared words; the first on a tie), else
-    "I don't know": one fact a reply, so every fact costs the agent a turn."""
-    q = words(question)
+    """The hidden line the question asks about, else "I don't know": one fact a reply, so every fact costs the
+    agent a turn. A line is ranked by the question's words it alone holds among the hidden lines, then by all
+    the words they share, then by its place."""
+    lines = [l.strip() for l in hidden.splitlines() if l.strip()]
+    q, ws = words(question), [words(l) for l in lines]
     scored = []
-    for i, line in enumerate(l for l in hidden.splitlines() if l.strip()):
-        overlap = len(q & words(line))
-        if overlap:
-            scored.append((-overlap, i, line.strip()))
+    for i, (line, w) in enumerate(zip(lines, ws)):
+        own = w - set().union(*(o for j, o in enumerate(ws) if j != i))
+        if q & w:
+            scored.append((-len(q & own), -len(q & w), i, line))
     if not scored:
         return "I don't know, sorry."
-    best = sorted(sorted(scored)[:max_lines], key=lambda s: s[1])  # the best lines, in original order
+    best = sorted(sorted(scored)[:max_lines], key=lambda s: s[2])  # the best lines, in original order
     is_code = hidden.lstrip().startswith(("def ", "import ", "from ", "class "))
-    return ("\n" if is_code else " ").join(line for _, _, line in best)
+    return ("\n" if is_code else " ").join(line for *_, line in best)
 
 
 def hidden_facts(task):

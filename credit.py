@@ -277,8 +277,8 @@ def mc_report(states, values, critics):
     hit = lambda adv, i, j: 1.0 if adv[i] > adv[j] else 0.5 if adv[i] == adv[j] else 0.0
     acc = {}
     for name in [*critics, "untrained"]:
-        hits = [hit(by_key[k]["advantages_by_critic"][name], i, j) for k, i, j, _ in decided
-                if name in by_key[k].get("advantages_by_critic", {})]
+        adv = lambda s: [0.0] * len(s["candidates"]) if name == "untrained" else s.get("advantages_by_critic", {}).get(name)
+        hits = [hit(adv(by_key[k]), i, j) for k, i, j, _ in decided if adv(by_key[k]) is not None]
         acc[name] = sum(hits) / len(hits) if hits else None
     kind = lambda k, i: colbench.turn_kind(by_key[k]["candidates"][i])
     best, kinds = None, sorted({kind(k, i) for k, a, b, _ in decided for i in (a, b)})

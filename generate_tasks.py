@@ -11,7 +11,7 @@ Writes: JSONL with problem_description, hidden_information, ground_truth, test_c
     python generate_tasks.py --task_type code --source file --input colbench_backend.jsonl --num_tasks 0 --output data/tasks.jsonl
     python generate_tasks.py --task_type html --source procedural --num_tasks 50 --seed 1 --output data/html_test.jsonl
 
-Procedural tasks are ours (docs/curriculum.md): small personalised functions with three hidden facts,
+Procedural tasks are ours (docs/curriculum.md): small personalised functions with two hidden facts,
 plain sentences, and pages with five design facts, 2-3 of them hidden. Every procedural ground truth
 runs in the sandboxed grader; a task whose ground truth errors or returns None on a test is dropped.
 """
@@ -50,8 +50,8 @@ class Args:
 
 
 # ----------------------------------------------------------------------------------------------
-# Procedural families. Each returns (description, facts, ground truth, test argument lists): three hidden
-# facts, each with its own constant, so that an answer that misses or breaks any one fails the tests.
+# Procedural families. Each returns (description, facts, ground truth, test argument lists): two hidden
+# facts, each with its own constant, so that an answer that misses or breaks either fails the tests.
 # ----------------------------------------------------------------------------------------------
 LABEL_PAIRS = [("pass", "fail"), ("approved", "rejected"), ("high", "low"), ("gold", "silver"), ("yes", "no"),
                ("ok", "alert"), ("big", "small"), ("hot", "cold"), ("premium", "basic"), ("green", "red"),
@@ -61,7 +61,7 @@ THRESHOLD_CONTEXTS = [  # (function, argument, what it judges, noun for the argu
     ("classify_order", "total", "how to label a customer order from its total", "order total"),
     ("rate_temperature", "degrees", "how to label a temperature reading", "temperature"),
     ("check_loan", "credit_score", "whether a loan application goes through from the credit score", "credit score"),
-    ("tag_player", "points", "how to tag a player from their points", "player's points"),
+    ("tag_player", "points", "how to tag a player from their points", "points total"),
     ("label_speed", "speed", "how to label a car's speed", "speed"),
     ("rank_employee", "years", "how to label an employee from their years of service", "number of years"),
     ("judge_battery", "percent", "how to label a phone's battery level", "battery percent"),
@@ -72,8 +72,7 @@ def fam_threshold(rng):
     fn, arg, what, noun = rng.choice(THRESHOLD_CONTEXTS)
     hi, lo = rng.choice(LABEL_PAIRS)
     t = rng.randint(11, 95)
-    facts = [f"The cut-off {noun} is {t}.", f"At or above the cut-off the label is '{hi}'.",
-             f"Under the cut-off the label is '{lo}'."]
+    facts = [f"A {noun} of {t} or more gets the label '{hi}'.", f"Any lower {noun} gets the label '{lo}'."]
     gt = f"def {fn}({arg}):\n    if {arg} >= {t}:\n        return '{hi}'\n    return '{lo}'\n"
     xs = {t, t - 1, t + 1, t - rng.randint(2, 10), t + rng.randint(2, 10), 0, 100, t + 20}
     while len(xs) < 10:
@@ -95,10 +94,8 @@ FEE_CONTEXTS = [
 def fam_fee(rng):
     fn, arg, what, unit = rng.choice(FEE_CONTEXTS)
     base, per = rng.sample(range(2, 31), 2)
-    cap = base + per * rng.randint(4, 11)
-    facts = [f"There is a fixed fee of {base} dollars.", f"Each {unit} costs {per} dollars on top of that.",
-             f"The price is never more than {cap} dollars."]
-    gt = f"def {fn}({arg}):\n    return min({cap}, {base} + {per} * {arg})\n"
+    facts = [f"There is a fixed fee of {base} dollars.", f"Each {unit} costs {per} dollars on top of that."]
+    gt = f"def {fn}({arg}):\n    return {base} + {per} * {arg}\n"
     xs = [0, 1, 2, 3, 5, 7, 10, 12, 20, rng.randint(21, 99)]
     desc = f"Can you write a function that works out {what}? It takes the number of {unit}s."
     return fn, f"{fn}({arg})", desc, facts, gt, [[x] for x in xs]
@@ -107,16 +104,14 @@ def fam_fee(rng):
 GREET_CONTEXTS = [("greet", "name", "a greeting for a guest"), ("welcome_message", "user", "a welcome message for a new user"),
                   ("farewell", "name", "a goodbye message for a customer"), ("shout_out", "player", "a shout-out for a player")]
 WORDS = ["Hello", "Hi", "Howdy", "Welcome", "Greetings", "Hey", "Bye", "Cheers", "Good day", "Yo", "Ahoy", "Salut"]
-TAILS = ["friend", "dear", "again", "today", "buddy", "pal", "there", "soon", "champ", "mate"]
 ENDINGS = ["!", "!!", ".", "?", " :)", "!!!", "...", " <3"]
 
 
 def fam_greeting(rng):
     fn, arg, what = rng.choice(GREET_CONTEXTS)
-    word, tail, end = rng.choice(WORDS), rng.choice(TAILS), rng.choice(ENDINGS)
-    facts = [f"The message starts with '{word}' and a space, then the {arg}.",
-             f"After the {arg} come a space and the word '{tail}'.", f"The message ends with '{end}' after that word."]
-    gt = f"def {fn}({arg}):\n    return '{word} ' + {arg} + ' {tail}{end}'\n"
+    word, end = rng.choice(WORDS), rng.choice(ENDINGS)
+    facts = [f"The message starts with '{word}' and a space, then the {arg}.", f"The message ends with '{end}' right after the {arg}."]
+    gt = f"def {fn}({arg}):\n    return '{word} ' + {arg} + '{end}'\n"
     names = rng.sample(["Ann", "Bob", "Carla", "Dev", "Eve", "Femi", "Gus", "Hana", "Ivan", "Jo", "Kim", "Lee"], 10)
     desc = f"Please write a function that builds {what} as a string."
     return fn, f"{fn}({arg})", desc, facts, gt, [[repr(n)] for n in names]
@@ -133,10 +128,8 @@ def fam_convert(rng):
     fn, arg, one, many = rng.choice(CONVERT_CONTEXTS)
     k = rng.choice([3, 5, 7, 8, 9, 11, 13, 14, 15, 16, 18, 24, 30, 36])
     extra = rng.choice([n for n in range(2, 40) if n != k])
-    most = rng.choice([n for n in range(6, 21) if n not in (k, extra)])
-    facts = [f"One {one} holds {k} {many}.", f"Add {extra} spare {many} to every count.",
-             f"At most {most} {arg} are counted; any more are ignored."]
-    gt = f"def {fn}({arg}):\n    return min({arg}, {most}) * {k} + {extra}\n"
+    facts = [f"One {one} holds {k} {many}.", f"Add {extra} spare {many} to every count."]
+    gt = f"def {fn}({arg}):\n    return {arg} * {k} + {extra}\n"
     xs = [0, 1, 2, 3, 4, 5, 10, 12, 25, rng.randint(26, 99)]
     desc = f"I want a function that turns a number of {arg} into the number of {many} in our store."
     return fn, f"{fn}({arg})", desc, facts, gt, [[x] for x in xs]
@@ -148,15 +141,12 @@ AGG_CONTEXTS = [("sum_big_sales", "sales", "sales amounts"), ("total_long_calls"
 
 def fam_aggregate(rng):
     fn, arg, what = rng.choice(AGG_CONTEXTS)
-    lo = rng.randint(5, 60)
-    hi = lo + rng.randint(10, 40)
+    t = rng.randint(11, 60)
     times = rng.choice([2, 3, 4, 6, 10])
-    facts = [f"Only {what} greater than {lo} are used.", f"Any of the {what} above {hi} are left out as well.",
-             f"The result is multiplied by {times}."]
+    facts = [f"Only {what} greater than {t} are used.", f"The result is multiplied by {times}."]
     op = "len" if fn.startswith("count") else "sum"
-    gt = f"def {fn}({arg}):\n    return {times} * {op}([x for x in {arg} if x > {lo} and x <= {hi}])\n"
-    lists = [[rng.randint(0, hi + 20) for _ in range(rng.randint(1, 6))] for _ in range(8)]
-    lists += [[lo, lo + 1, hi], [hi + 1, lo + 2]]
+    gt = f"def {fn}({arg}):\n    return {times} * {op}([x for x in {arg} if x > {t}])\n"
+    lists = [[rng.randint(0, 2 * t + 10) for _ in range(rng.randint(1, 6))] for _ in range(9)] + [[t, t + 1, t - 1]]
     desc = (f"Write a function that looks at a list of {what} and gives me one number from it "
             f"({'how many' if op == 'len' else 'their total'}).")
     return fn, f"{fn}({arg})", desc, facts, gt, [[repr(x)] for x in lists]
@@ -170,10 +160,9 @@ SCORE_CONTEXTS = [("league_points", "wins", "draws", "league points for a team")
 
 def fam_score(rng):
     fn, a, b, what = rng.choice(SCORE_CONTEXTS)
-    wa, wb, start = rng.sample([2, 4, 5, 6, 7, 9, 10, 12, 15, 20, 25, 30], 3)
-    facts = [f"Each one of the {a} is worth {wa} points.", f"Each one of the {b} is worth {wb} points.",
-             f"Every total starts from {start} points."]
-    gt = f"def {fn}({a}, {b}):\n    return {start} + {a} * {wa} + {b} * {wb}\n"
+    wa, wb = rng.sample([2, 4, 5, 6, 7, 9, 10, 12, 15], 2)
+    facts = [f"Each one of the {a} is worth {wa} points.", f"Each one of the {b} is worth {wb} points."]
+    gt = f"def {fn}({a}, {b}):\n    return {a} * {wa} + {b} * {wb}\n"
     pairs = [[0, 0], [1, 0], [0, 1], [2, 3], [5, 1], [3, 4], [10, 2], [7, 7], rng.sample(range(20), 2), [4, 9]]
     desc = f"I need a function that computes {what}."
     return fn, f"{fn}({a}, {b})", desc, facts, gt, pairs

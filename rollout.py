@@ -43,7 +43,7 @@ class Args:
     prefixes: str = ""
     """instead of --tasks: dialogues to go on with, a JSONL of {task, sample, dialogue_history}; each continues
     from its last message (the human first, when the agent spoke last), one dialogue per line (--samples is
-    not read). For the value of a turn by its continuations (bench/mc_credit.py)"""
+    not read). For the value of a turn by its continuations (credit.py, credit_accuracy)"""
     task_type: str = "code"
     """code (backend programming) | html (frontend design)"""
     num_tasks: int = 0
@@ -112,7 +112,7 @@ def oracle_question(fact):
 
 # Questions a hasty agent asks that the hidden facts never cover (the scripted human: "I don't know").
 DETOURS = ["Should the code print anything?", "Do you want comments in it?", "Which Python version do you run?",
-           "Should I add type hints?", "Do you want a docstring?"]
+           "Do you want type hints?", "Do you want a docstring?"]
 CONSTANT = re.compile(r"'[^']*'|\b\d+\b")
 
 

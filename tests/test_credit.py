@@ -2,6 +2,7 @@
 turn-credit accuracy, trajectory pairing rules, and the results' bootstrap intervals."""
 import json
 import random
+import re
 import types
 
 import pytest
@@ -30,8 +31,12 @@ def test_turn_classes_follow_the_rules():
     assert colbench.turn_class(t, start, "Should the code print anything?") == "bad"  # reveals nothing
     after = start + [{"role": "assistant", "content": question},
                      {"role": "user", "content": colbench.scripted_reply(t["hidden_information"], question)}]
-    assert colbench.revealed_facts(t, after) == set(facts)  # this human says both lines at once
+    assert colbench.revealed_facts(t, after) == {facts[0]}  # one fact a reply
     assert colbench.turn_class(t, after, question) == "bad"  # asking again reveals nothing new
+    for f in facts[1:]:
+        q = rollout.oracle_question(f)
+        after += [{"role": "assistant", "content": q}, {"role": "user", "content": colbench.scripted_reply(t["hidden_information"], q)}]
+    assert colbench.revealed_facts(t, after) == set(facts) and len(facts) == 2
     assert colbench.turn_class(t, after, f"{colbench.ANSWER_MARKER}\n{t['ground_truth']}") == "good"
     wrong = t["ground_truth"].replace("return ", "return 1 + ")
     assert colbench.turn_class(t, after, f"{colbench.ANSWER_MARKER}\n{wrong}") == "bad"
@@ -40,9 +45,9 @@ def test_turn_classes_follow_the_rules():
     assert colbench.turn_class(t, after, question, last_turn=True) == "bad"
 
 
-def oracle(hasty, detour, seed=0):
+def oracle(hasty, mistake, seed=0, max_turns=10):
     return rollout.OracleAgent.__new__(rollout.OracleAgent), types.SimpleNamespace(
-        seed=seed, oracle_hasty=hasty, oracle_detour=detour, max_turns=10)
+        seed=seed, oracle_hasty=hasty, oracle_mistake=mistake, max_turns=max_turns)
 
 
 GT = {}  # task_id -> the ground truth's results (sandboxed once per task)
@@ -64,16 +69,14 @@ def play(agent, t, sample):
 def test_hasty_oracle_mix_is_seeded_and_guesses_fail():
     tasks = [task(f, s) for f in sorted(generate_tasks.FAMILIES) for s in range(5)]
     results = {}
-    for hasty, detour in ((0.0, 0.0), (1.0, 0.0), (0.5, 0.5)):
-        agent, agent.args = oracle(hasty, detour)
-        results[hasty, detour] = [play(agent, t, 0) for t in tasks]
+    for hasty, mistake in ((0.0, 0.0), (1.0, 0.0), (0.5, 0.5)):
+        agent, agent.args = oracle(hasty, mistake)
+        results[hasty, mistake] = [play(agent, t, 0) for t in tasks]
     assert all(ok for _, ok in results[0.0, 0.0])  # the complete oracle always succeeds
-    # always hasty: each dialogue stops asking after fewer facts than there are; where the answer came
-    # before every fact was revealed, the guessed constants fail (except where the unheard fact holds
-    # no constant, e.g. aggregate's "Return their total.")
+    # always hasty: each dialogue stops asking after fewer facts than there are, and the guessed constants fail
     early = [ok for (d, ok), t in zip(results[1.0, 0.0], tasks)
-             if colbench.revealed_facts(t, d) != set(t["hidden_information"].splitlines()) and t["family"] != "aggregate"]
-    assert len(early) >= 12 and sum(early) <= 0.1 * len(early)
+             if colbench.revealed_facts(t, d) != set(t["hidden_information"].splitlines())]
+    assert len(early) == len(tasks) and not any(early)
     mixed = results[0.5, 0.5]
     assert 0.2 < sum(ok for _, ok in mixed) / len(mixed) < 0.9
     detours = sum(m["content"] in rollout.DETOURS for d, _ in mixed for m in d)
@@ -104,14 +107,14 @@ def play_until(agent, t, sample, max_turns):
     return ep["dialogue"], None
 
 
-def test_credit_accuracy_counts_ties_half():
+def test_class_accuracy_counts_ties_half():
     states = [{"classes": ["good", "bad", "bad"], "advantages_by_critic": {"a": [1.0, 0.0, 2.0], "u": [0.0, 0.0, 0.0]}},
               {"classes": ["good", "good"], "advantages_by_critic": {"a": [0.0, 1.0], "u": [0.0, 0.0]}},  # no mixed pair
               {"classes": ["bad", "good"], "advantages_by_critic": {"a": [0.0, 0.5], "u": [0.0, 0.0]}},
               {"candidates": ["x"]}]  # a state without classes (not a procedural task)
-    assert credit.credit_accuracy(states, "a") == (pytest.approx(2 / 3), 3)
-    assert credit.credit_accuracy(states, "u") == (0.5, 3)
-    assert credit.credit_accuracy(states, "missing") == (None, 0)
+    assert credit.class_accuracy(states, "a") == (pytest.approx(2 / 3), 3)
+    assert credit.class_accuracy(states, "u") == (0.5, 3)
+    assert credit.class_accuracy(states, "missing") == (None, 0)
 
 
 def test_kind_order_is_the_best_state_blind_ranking_of_turn_kinds():
@@ -237,3 +240,74 @@ def test_guessed_answers_do_not_depend_on_the_string_hash_seed():
     outs = {subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
                            env={**__import__("os").environ, "PYTHONHASHSEED": str(h)}).stdout for h in range(4)}
     assert len(outs) == 1 and "def " in outs.pop()
+
+
+def test_oracle_mistakes_waste_turns_and_slip_and_a_tight_budget_makes_waste_cost_the_outcome():
+    tasks = [task(f, s) for f in sorted(generate_tasks.FAMILIES) for s in range(6)]
+    agent, agent.args = oracle(0.0, 0.35, max_turns=4)
+    games = [(t, *play(agent, t, k)) for t in tasks for k in range(3)]
+    facts = lambda t: set(colbench.hidden_facts(t))
+    wasted = lambda t, d: sum(m["role"] == "assistant" and colbench.ANSWER_MARKER not in m["content"]
+                              and colbench.turn_class(t, d[:i], m["content"]) == "bad" for i, m in enumerate(d))
+    informed = [(t, d, ok) for t, d, ok in games if colbench.revealed_facts(t, d) == facts(t)]
+    # a slip: every fact heard, and the answer breaks one of them (the others' constants kept)
+    slips = [(t, d) for t, d, ok in informed if not ok]
+    assert slips and any(ok for *_, ok in informed)
+    for t, d in slips:
+        answer = colbench.extract_answer(d[-1]["content"])
+        assert answer != t["ground_truth"].strip()
+        kept = [f for f in facts(t) if all(re.search(rf"\b{c}\b", answer) if c.isdigit() else c[1:-1] in answer
+                                           for c in rollout.CONSTANT.findall(f))]
+        assert len(kept) == 1, (t["hidden_information"], answer)
+    # successes that hold a wasted turn, and failures whose wasted turns spent the budget before every fact was heard
+    assert any(ok and wasted(t, d) for t, d, ok in games)
+    spent = [(t, d) for t, d, ok in games if not ok and colbench.revealed_facts(t, d) != facts(t)]
+    assert spent and all(wasted(t, d) >= 2 and sum(m["role"] == "assistant" for m in d) == 4 for t, d in spent)
+
+
+def test_credit_accuracy_counts_only_the_pairs_the_reward_decides():
+    key = ("t", 0, 1)
+    values = {key: {0: (True, [1.0]), 1: (True, [0.0]), 2: (False, [1.0] * 8 + [0.0] * 8),
+                    3: (False, [1.0] * 9 + [0.0] * 7), 4: (True, [1.0])}}
+    decided = credit.decided_pairs(values)
+    got = {(i, j) for _, i, j, _ in decided}
+    # exact grades differ by anything; 8/16 against an exact 1 or 0 is decided; 8/16 against 9/16 is not,
+    # nor are two equal exact grades
+    assert got == {(0, 1), (0, 2), (0, 3), (2, 1), (3, 1), (4, 1), (4, 2), (4, 3)}
+    # the halves: 2's even continuations are [1]*4 + [0]*4, its odd the same, so every pair agrees with itself
+    assert all(agree == 1.0 for *_, agree in decided)
+    states = [{"task_id": "t", "sample": 0, "turn": 1,
+               "candidates": [f"{colbench.ANSWER_MARKER} a", f"{colbench.ANSWER_MARKER} b", "q1?", "q2?", f"{colbench.ANSWER_MARKER} c"],
+               "advantages_by_critic": {"good": [3.0, 0.0, 1.0, 1.0, 3.0], "kinds": [0.0, 0.0, 1.0, 1.0, 0.0]}}]
+    r = credit.mc_report(states, values, ["good", "kinds"])
+    assert r["credit_pairs"] == 8 and r["credit_accuracy"]["good"] == 1.0 and r["credit_accuracy"]["untrained"] == 0.5
+    # a question ranked over every answer: right on the 2 pairs a question wins, ties on the 2 of two answers
+    assert r["credit_accuracy"]["kinds"] == pytest.approx((2 + 2 * 0.5) / 8)
+    assert r["credit_kind_order"] == {"order": "answer > question", "accuracy": pytest.approx((4 + 2 * 0.5) / 8)}
+    assert r["credit_split_half"] == 1.0
+    assert r["credit_pairs_by_kind"] == {"answer > answer": 2, "answer > question": 4, "question > answer": 2}
+    # halves that disagree lower the ceiling: 16 continuations whose even half all fail and odd half all pass
+    flip = {key: {0: (False, [0.0, 1.0] * 8), 1: (True, [0.0])}}
+    assert credit.decided_pairs(flip) == [(key, 0, 1, 0.5)]  # the even half ties the exact 0
+
+
+def test_mc_prefixes_grade_each_distinct_answer_once_and_continue_the_other_turns(tmp_path):
+    t = task("fee")
+    traj = {"task": t, "task_id": t["task_id"], "sample": 0, "reward": 0.0, "dialogue_history": [
+        {"role": "user", "content": t["problem_description"]},
+        {"role": "assistant", "content": "q?", "input": "p0", "output": "q?"}, {"role": "user", "content": "I don't know"},
+        {"role": "assistant", "content": "a", "input": "p1", "output": "a"}]}
+    ans = f"{colbench.ANSWER_MARKER} x"
+    states = [{"task_id": t["task_id"], "sample": 0, "turn": 1, "candidates": [ans, ans, "q1?", "q2?", "q3?", "q1?"]},
+              {"task_id": t["task_id"], "sample": 0, "turn": 0, "candidates": ["same"] * 3}]  # one text: nothing to order
+    args = types.SimpleNamespace(states=5, questions=2, continuations=4, seed=0, max_turns=10)
+    rows = credit.mc_prefixes(states, [traj], args)
+    assert {tuple(r["mc_state"]) for r in rows} == {(t["task_id"], 0, 1)}
+    counts = {}
+    for r in rows:
+        counts[r["mc_candidate"]] = counts.get(r["mc_candidate"], 0) + 1
+        assert r["dialogue_history"][:-1] == traj["dialogue_history"][:3] and r["dialogue_history"][-1]["role"] == "assistant"
+    assert counts.pop(0) == 1 and len(counts) == 2 and set(counts.values()) == {4} and set(counts) <= {2, 3, 4}
+    assert [r["sample"] for r in rows] == list(range(len(rows)))
+    args.max_turns = 2  # at the last allowed turn every candidate is an answer: graded once each
+    assert sorted(r["mc_candidate"] for r in credit.mc_prefixes(states, [traj], args)) == [0, 2, 3, 4]

@@ -99,7 +99,7 @@ def test_reused_caches_are_freed_before_decoding(tiny_model):
 
 
 def test_prefixes_continue_each_dialogue_from_its_last_message(tiny_model, task_files, simulator_url, tmp_path):
-    """rollout.py --prefixes (bench/mc_credit.py's continuations): the given messages are kept as they are; the
+    """rollout.py --prefixes (credit.py's continuations): the given messages are kept as they are; the
     human answers first where the agent spoke last; a dialogue its last agent turn ended is written at once."""
     t1, t2 = [r for _, r in common.read_jsonl(task_files[0])][:2]
     fact = t1["hidden_information"].splitlines()[0]

@@ -33,7 +33,7 @@ def oracle_trajectories(tmp_path, task_type="code", n=3):
 def test_run_sh_end_to_end(tiny_model, tmp_path):
     env = {**os.environ, "PY": sys.executable, "RUN": str(tmp_path / "run"), "MODEL": tiny_model, "N_WARMUP": "0",
            "TRAIN_TRAJECTORIES": str(oracle_trajectories(tmp_path)), "N_TEST": "2", "N_VAL": "2", "CANDIDATES": "2",
-           "DATA_FRACTION": "0.2", "MAX_NEW_TOKENS": "8", "BASELINES": "1", "LR_CRITIC": "1e-3", "LR_DPO": "1e-3",
+           "DATA_FRACTION": "0.2", "MAX_NEW_TOKENS": "8", "BASELINES": "1", "LR_CRITIC": "1e-3", "LR_DPO": "1e-3", "MC_STATES": "2",
            "OMP_NUM_THREADS": "1"}
     p = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
@@ -98,7 +98,7 @@ def test_run_sh_html_loop(tiny_model, tmp_path):
     (exact designs) as train trajectories, html turn classes, selection by similarity and results.json."""
     env = {**os.environ, "PY": sys.executable, "RUN": str(tmp_path / "run"), "MODEL": tiny_model, "TASK_TYPE": "html",
            "N_WARMUP": "2", "TRAIN_TRAJECTORIES": str(oracle_trajectories(tmp_path, "html", 2)), "N_TEST": "2", "N_VAL": "2",
-           "CANDIDATES": "2", "DATA_FRACTION": "0.2", "MAX_NEW_TOKENS": "8", "LR_CRITIC": "1e-3", "LR_DPO": "1e-3",
+           "CANDIDATES": "2", "DATA_FRACTION": "0.2", "MAX_NEW_TOKENS": "8", "LR_CRITIC": "1e-3", "LR_DPO": "1e-3", "MC_STATES": "2",
            "OMP_NUM_THREADS": "1"}
     p = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
@@ -150,7 +150,7 @@ def test_run_sh_on_colbench_files_uses_released_settings(tiny_model, tmp_path):
         sim.kill()
     env = {**os.environ, "PY": sys.executable, "RUN": str(tmp_path / "run"), "MODEL": tiny_model, "N_TEST": "4",
            "TRAIN_TASKS": str(tmp_path / "train.jsonl"), "TEST_TASKS": str(tmp_path / "test.jsonl"), "CANDIDATES": "2",
-           "DATA_FRACTION": "0.3", "MAX_NEW_TOKENS": "8", "LR_CRITIC": "1e-3", "OMP_NUM_THREADS": "1", "NPROC": "2",
+           "DATA_FRACTION": "0.3", "MAX_NEW_TOKENS": "8", "LR_CRITIC": "1e-3", "OMP_NUM_THREADS": "1", "NPROC": "2", "MC_STATES": "2",
            "PROMPT_DIR": str(prompts), "TRAIN_TRAJECTORIES": str(trajectories)}
     p = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]

@@ -27,11 +27,13 @@ def test_models_and_scripted_answers(simulator_url):
     assert ask(simulator_url, "When does the shop open?") == "The shop opens at 9."
 
 
-def test_scripted_reply_at_most_two_lines_and_code_lines():
+def test_scripted_reply_says_one_line_the_most_relevant_and_code_lines():
     hidden = "a b c\nscore rule one\nscore rule two\nscore rule three"
-    assert colbench.scripted_reply(hidden, "what is the score rule?").count("score rule") == 2
+    assert colbench.scripted_reply(hidden, "what is the score rule?") == "score rule one"  # a tie: the first line
+    assert colbench.scripted_reply(hidden, "the score rule two?") == "score rule two"
     code = "def f(price, qty):\n    discount = 0.15\n    return price * qty * (1 - discount)"
-    assert colbench.scripted_reply(code, "Is there a discount?") == "discount = 0.15\nreturn price * qty * (1 - discount)"
+    assert colbench.scripted_reply(code, "Is there a discount?") == "discount = 0.15"
+    assert colbench.scripted_reply(code, "Is there a discount?", max_lines=2) == "discount = 0.15\nreturn price * qty * (1 - discount)"
     assert colbench.scripted_reply(code, "What about the weather?") == "I don't know, sorry."
 
 

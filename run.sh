@@ -17,7 +17,7 @@ SIMULATOR_URL=${SIMULATOR_URL:-} NPROC=${NPROC:-1}  # empty: the scripted human;
 AGENT_BACKEND=${AGENT_BACKEND:-}      # hf | vllm (empty: vllm for a non-embedded MODEL)
 BASELINES=${BASELINES:-0}             # 1: also multi-turn DPO and rejection fine-tuning
 PROMPT_DIR=${PROMPT_DIR:-} CLIP_MODEL=${CLIP_MODEL:-}  # prompt templates replacing ours; html: a local CLIP model
-N_TRAIN=${N_TRAIN:-60} N_TEST=${N_TEST:-200} N_VAL=${N_VAL:-50} N_WARMUP=${N_WARMUP:-120}  # tasks (N_WARMUP=0: no warm-up)
+N_TRAIN=${N_TRAIN:-60} N_TEST=${N_TEST:-200} N_VAL=${N_VAL:-50} N_WARMUP=${N_WARMUP:-240}  # tasks (N_WARMUP=0: no warm-up)
 SAMPLES=${SAMPLES:-4} CANDIDATES=${CANDIDATES:-8}  # rollouts per train task; candidate turns per state (released: 3, 16)
 DATA_FRACTION=${DATA_FRACTION:-0.2}   # label_turns: share of train trajectories labelled (released: 0.1)
 MC_STATES=${MC_STATES:-12}            # labelled states whose candidates are valued by 16 continuations each (credit_accuracy)
@@ -36,7 +36,7 @@ if [ -z "$AGENT_BACKEND" ]; then AGENT_BACKEND=hf
     "GPU without vLLM: install requirements-gpu.txt, or set AGENT_BACKEND=hf to decode token by token on purpose" >&2; exit 1; fi; fi
 # the warm-up's starting share of hasty oracle dialogues, its chance of a turn mistake, the band its validation
 # success should land in, retries; procedural code tasks: a budget of 4 agent turns for their 2 facts (docs/curriculum.md)
-HASTY=0.15 MISTAKE=0.35 BAND=0.25,0.5 TRIES=2 TURNS=10; [ "$TASK_TYPE" = html ] && HASTY=0.5 MISTAKE=0.2 BAND=0.15,0.5 TRIES=1
+HASTY=0.15 MISTAKE=0.2 BAND=0.25,0.5 TRIES=2 TURNS=10; [ "$TASK_TYPE" = html ] && HASTY=0.5 MISTAKE=0.2 BAND=0.15,0.5 TRIES=1
 [ "$TASK_TYPE" = code ] && [ -z "$TRAIN_TASKS$TEST_TASKS" ] && TURNS=4
 echo "run.sh: run directory $RUN$([ -d "$RUN" ] && echo ' (exists: finished stages are reused)')"
 for v in TASK_TYPE SMALL SEED MODEL TRAIN_TASKS TEST_TASKS SIMULATOR_URL NPROC AGENT_BACKEND BASELINES PROMPT_DIR CLIP_MODEL \

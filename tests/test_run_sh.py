@@ -77,6 +77,9 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
     assert all(sum(r["mc_candidate"] == c and r["mc_state"] == st for r in mc) == (1 if ex else 16)
                for st, c, ex in {(tuple(r["mc_state"]), r["mc_candidate"], r["exact"]) for r in mc} for st in [list(st)])
     assert len(read(run / "pairs.jsonl.mc_graded.jsonl")) == len(mc)
+    # procedural code tasks: the curriculum's budget of 4 agent turns, in rollouts, labelling and the values alike
+    for f in ("test_zero_shot.jsonl", "pairs.jsonl", "pairs.jsonl.mc_rollouts.jsonl"):
+        assert json.loads((run / f"{f}.run_settings.json").read_text())["max_turns"] == 4, f
     assert res["credit_pairs"] == report["credit_pairs"] and res.get("credit_kind_order") == report["credit_kind_order"]
     settings = json.loads((run / "critic" / "run_settings.json").read_text())
     assert settings["epochs"] == 4 and settings["train_layers"] == 0 and settings["grad_ckpt"] is True  # a real model:
@@ -163,6 +166,7 @@ def test_run_sh_on_colbench_files_uses_released_settings(tiny_model, tmp_path):
                   for i in range(2)]
         assert all(f.exists() for f in shards) and (run / out).read_text() == "".join(f.read_text() for f in shards), out
     assert json.loads((run / "policy_sweet" / "run_settings.json").read_text())["grad_ckpt"] is True
+    assert json.loads((run / "test_zero_shot.jsonl.shard-0-of-2.run_settings.json").read_text())["max_turns"] == 10  # ColBench's
     res = json.loads((run / "results.json").read_text())
     assert res["num_test_tasks"] == 4 and set(res["methods"]) == {"zero_shot", "sweet_rl"}
     assert not (run / "warmup_tasks.jsonl").exists() and not (run / "critic_no_training_info").exists()

@@ -20,7 +20,7 @@ PROMPT_DIR=${PROMPT_DIR:-} CLIP_MODEL=${CLIP_MODEL:-}  # prompt templates replac
 N_TRAIN=${N_TRAIN:-60} N_TEST=${N_TEST:-200} N_VAL=${N_VAL:-50} N_WARMUP=${N_WARMUP:-240}  # tasks (N_WARMUP=0: no warm-up)
 SAMPLES=${SAMPLES:-4} CANDIDATES=${CANDIDATES:-8}  # rollouts per train task; candidate turns per state (released: 3, 16)
 DATA_FRACTION=${DATA_FRACTION:-0.2}   # label_turns: share of train trajectories labelled (released: 0.1)
-MC_STATES=${MC_STATES:-12}            # labelled states whose candidates are valued by 16 continuations each (credit_accuracy)
+MC_STATES=${MC_STATES:-12}            # labelled states whose candidates are valued by 16 continuations each (credit_accuracy; 0: none)
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-96}  # longest agent turn
 LR_CRITIC=${LR_CRITIC:-1e-4} LR_DPO=${LR_DPO:-6e-6}  # released: 2e-7 both
 TRAIN_TRAJECTORIES=${TRAIN_TRAJECTORIES:-}  # trajectories in the released schema to train from, instead of train rollouts
@@ -126,11 +126,12 @@ ABLATION=(); if [ -z "$TRAIN_TASKS" ]; then  # procedural tasks: the no-informat
 sample "$RUN/pairs.jsonl" label_turns.py --trajectories "$G" --critic "$RUN/critic" --output "$RUN/pairs.jsonl" \
   --agent_backend "$AGENT_BACKEND" --num_candidates "$CANDIDATES" --pairs_per_state 4 --data_fraction "$DATA_FRACTION" \
   --temperature 1.0 --max_new_tokens "$MAX_NEW_TOKENS" --max_turns "$TURNS" --seed "$SEED" "${ABLATION[@]}"
-log "turn credit the reward decides: the candidates of $MC_STATES labelled states valued by their continuations (credit.py)"
-"$PY" credit.py --pairs "$RUN/pairs.jsonl" --trajectories "$G" --max_turns "$TURNS" --seed "$SEED" --states "$MC_STATES"
-MC=$RUN/pairs.jsonl.mc; rollout "$POLICY" "" "${MC}_rollouts.jsonl" --prefixes "$MC.jsonl"
-[ -f "${MC}_graded.jsonl" ] || "$PY" evaluate.py --input "${MC}_rollouts.jsonl" --output "${MC}_graded.jsonl" --task_type "$TASK_TYPE" \
-  --clip_model "$CLIP_MODEL"
+if [ "$MC_STATES" -gt 0 ]; then MC=$RUN/pairs.jsonl.mc
+  log "turn credit the reward decides: the candidates of $MC_STATES labelled states valued by their continuations (credit.py)"
+  "$PY" credit.py --pairs "$RUN/pairs.jsonl" --trajectories "$G" --max_turns "$TURNS" --seed "$SEED" --states "$MC_STATES"
+  if [ -s "$MC.jsonl" ]; then rollout "$POLICY" "" "${MC}_rollouts.jsonl" --prefixes "$MC.jsonl"
+    [ -f "${MC}_graded.jsonl" ] || "$PY" evaluate.py --input "${MC}_rollouts.jsonl" --output "${MC}_graded.jsonl" \
+      --task_type "$TASK_TYPE" --clip_model "$CLIP_MODEL"; fi; fi
 dpo() { train "$RUN/policy_$1" train_dpo.py --model "$POLICY" --lr "$LR_DPO" --seed "$SEED" --task_type "$TASK_TYPE" \
   --train_layers "$TRAIN_LAYERS" $SNAP "${@:2}"; best_of "$1" "$RUN/policy_$1"; }
 dpo sweet --mode turn --pairs "$RUN/pairs.jsonl"; METHODS="zero_shot:$POLICY sweet_rl:$BEST"

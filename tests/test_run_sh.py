@@ -101,7 +101,7 @@ def test_run_sh_html_loop(tiny_model, tmp_path):
     (exact designs) as train trajectories, html turn classes, selection by similarity and results.json."""
     env = {**os.environ, "PY": sys.executable, "RUN": str(tmp_path / "run"), "MODEL": tiny_model, "TASK_TYPE": "html",
            "N_WARMUP": "2", "TRAIN_TRAJECTORIES": str(oracle_trajectories(tmp_path, "html", 2)), "N_TEST": "2", "N_VAL": "2",
-           "CANDIDATES": "2", "DATA_FRACTION": "0.2", "MAX_NEW_TOKENS": "8", "LR_CRITIC": "1e-3", "LR_DPO": "1e-3", "MC_STATES": "2",
+           "CANDIDATES": "2", "DATA_FRACTION": "0.2", "MAX_NEW_TOKENS": "8", "LR_CRITIC": "1e-3", "LR_DPO": "1e-3", "MC_STATES": "0",
            "OMP_NUM_THREADS": "1"}
     p = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
@@ -117,7 +117,8 @@ def test_run_sh_html_loop(tiny_model, tmp_path):
     m, p_ = res["methods"]["sweet_rl"], res["paired_vs_zero_shot"]["sweet_rl"]
     assert m["ci95"][0] <= m["similarity"] <= m["ci95"][1] and m["similarity"] == pytest.approx(s["similarity"])
     assert p_["win_rate"] == pytest.approx(s["win_rate"]) and p_["win_rate_ci95"][0] <= p_["win_rate"] <= p_["win_rate_ci95"][1]
-    assert set(res["credit_accuracy"]) == {"sweet", "no_training_info", "untrained"}
+    assert set(res["class_accuracy"]) == {"sweet", "no_training_info", "untrained"}  # MC_STATES=0: no values, no credit_accuracy
+    assert "credit_accuracy" not in res and not (run / "pairs.jsonl.mc.jsonl").exists()
     states = read(run / "pairs.jsonl.states.jsonl")  # every labelled state has its true classes
     assert states and all(set(st["classes"]) <= {"good", "bad"} for st in states)
     sel = json.loads((run / "select_sweet.json").read_text())
@@ -153,7 +154,7 @@ def test_run_sh_on_colbench_files_uses_released_settings(tiny_model, tmp_path):
         sim.kill()
     env = {**os.environ, "PY": sys.executable, "RUN": str(tmp_path / "run"), "MODEL": tiny_model, "N_TEST": "4",
            "TRAIN_TASKS": str(tmp_path / "train.jsonl"), "TEST_TASKS": str(tmp_path / "test.jsonl"), "CANDIDATES": "2",
-           "DATA_FRACTION": "0.3", "MAX_NEW_TOKENS": "8", "LR_CRITIC": "1e-3", "OMP_NUM_THREADS": "1", "NPROC": "2", "MC_STATES": "2",
+           "DATA_FRACTION": "0.3", "MAX_NEW_TOKENS": "8", "LR_CRITIC": "1e-3", "OMP_NUM_THREADS": "1", "NPROC": "2", "MC_STATES": "0",
            "PROMPT_DIR": str(prompts), "TRAIN_TRAJECTORIES": str(trajectories)}
     p = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]

@@ -112,20 +112,25 @@ def credit_by_kind(states, name):
     return {k: [round(h / n, 4), n] for k, (h, n) in sorted(hits.items())}
 
 
-def kind_order(states):
-    """The baseline a critic's turn-credit must beat: the best accuracy of a rule that looks only at what a
-    turn is, one fixed order of kinds in every state (e.g. draft > question > answer; ties within a kind).
-    Its accuracy says how much of the score a blanket preference earns; the rest needs the state.
-    Returns {"order": "draft > question > answer", "accuracy": a} or None without class pairs."""
-    labelled = [(s["classes"], [colbench.turn_kind(c) for c in s["candidates"]]) for s in states if s.get("classes")]
+def best_kind_order(kind_pairs):
+    """The best accuracy of a rule that looks only at what a turn is, one fixed order of kinds in every state
+    (e.g. draft > question > answer; ties within a kind), over (better kind, worse kind) pairs: the baseline a
+    critic's turn credit must beat. {"order": "draft > question > answer", "accuracy": a}, or None without pairs."""
     best = None
-    for order in itertools.permutations(sorted({k for _, kinds in labelled for k in kinds})):
+    for order in itertools.permutations(sorted({k for pair in kind_pairs for k in pair})) if kind_pairs else ():
         rank = {kind: -i for i, kind in enumerate(order)}
-        ranked = [{"classes": classes, "advantages_by_critic": {"kinds": [rank[k] for k in kinds]}} for classes, kinds in labelled]
-        acc = class_accuracy(ranked, "kinds")[0]
-        if acc is not None and (best is None or acc > best["accuracy"]):
+        acc = sum(1.0 if rank[a] > rank[b] else 0.5 if rank[a] == rank[b] else 0.0 for a, b in kind_pairs) / len(kind_pairs)
+        if best is None or acc > best["accuracy"]:
             best = {"order": " > ".join(order), "accuracy": acc}
     return best
+
+
+def kind_order(states):
+    """best_kind_order over the class pairs of labelled states (good candidate, bad candidate)."""
+    pairs = [(colbench.turn_kind(s["candidates"][i]), colbench.turn_kind(s["candidates"][j]))
+             for s in states if s.get("classes")
+             for i, ci in enumerate(s["classes"]) for j, cj in enumerate(s["classes"]) if ci == "good" and cj == "bad"]
+    return best_kind_order(pairs)
 
 
 def kind_order_line(k):
@@ -281,18 +286,13 @@ def mc_report(states, values, critics):
         hits = [hit(adv(by_key[k]), i, j) for k, i, j, _ in decided if adv(by_key[k]) is not None]
         acc[name] = sum(hits) / len(hits) if hits else None
     kind = lambda k, i: colbench.turn_kind(by_key[k]["candidates"][i])
-    best, kinds = None, sorted({kind(k, i) for k, a, b, _ in decided for i in (a, b)})
-    for order in itertools.permutations(kinds):
-        rank = {x: -n for n, x in enumerate(order)}
-        a = sum(hit([rank[kind(k, i)], rank[kind(k, j)]], 0, 1) for k, i, j, _ in decided) / max(1, len(decided))
-        if best is None or a > best["accuracy"]:
-            best = {"order": " > ".join(order), "accuracy": a}
+    best = best_kind_order([(kind(k, i), kind(k, j)) for k, i, j, _ in decided])
     split = {}
     for k, i, j, _ in decided:
         split[f"{kind(k, i)} > {kind(k, j)}"] = split.get(f"{kind(k, i)} > {kind(k, j)}", 0) + 1
     return {"credit_accuracy": acc, "credit_pairs": len(decided), "credit_states": len(values),
             "credit_split_half": sum(d[3] for d in decided) / len(decided) if decided else None,
-            "credit_kind_order": best if decided else None, "credit_pairs_by_kind": dict(sorted(split.items()))}
+            "credit_kind_order": best, "credit_pairs_by_kind": dict(sorted(split.items()))}
 
 
 def mc_line(r):

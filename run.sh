@@ -36,7 +36,7 @@ if [ -z "$AGENT_BACKEND" ]; then AGENT_BACKEND=hf
     "GPU without vLLM: install requirements-gpu.txt, or set AGENT_BACKEND=hf to decode token by token on purpose" >&2; exit 1; fi; fi
 # the warm-up's starting share of hasty oracle dialogues, its chance of a turn mistake, the band its validation
 # success should land in, retries; procedural code tasks: a budget of 4 agent turns for their 2 facts (docs/curriculum.md)
-HASTY=0.15 MISTAKE=0.2 BAND=0.25,0.5 TRIES=2 TURNS=10; [ "$TASK_TYPE" = html ] && HASTY=0.5 BAND=0.15,0.5 TRIES=1
+HASTY=0.15 MISTAKE=0.2 BAND=0.25,0.55 TRIES=2 TURNS=10; [ "$TASK_TYPE" = html ] && HASTY=0.5 BAND=0.15,0.5 TRIES=1
 [ "$TASK_TYPE" = code ] && [ -z "$TRAIN_TASKS$TEST_TASKS" ] && TURNS=4
 echo "run.sh: run directory $RUN$([ -d "$RUN" ] && echo ' (exists: finished stages are reused)')"
 for v in TASK_TYPE SMALL SEED MODEL TRAIN_TASKS TEST_TASKS SIMULATOR_URL NPROC AGENT_BACKEND BASELINES PROMPT_DIR CLIP_MODEL \

@@ -414,19 +414,27 @@ def tokenize_turns(tokenizer, turns, prefix="", max_len=None):
     return seqs
 
 
-def sequence_logprobs(model, ids, turn_of, chunk=1024):
-    """Log-probs of the agent tokens of one sequence, in one forward pass. Logits are computed only
-    at the positions that predict an agent token, and the log-softmax in chunks of rows.
-    Returns (logp [n_agent_tokens], turn index of each [n_agent_tokens])."""
+def sequence_logprobs(model, seqs, chunk=1024):
+    """Log-probs of the agent tokens of several sequences [(ids, turn_of)] in one forward pass: the rows
+    right-padded and the padding masked (no mask when none is padded). Logits are computed only at the
+    positions that predict an agent token of some row, and the log-softmax in chunks of rows; every index
+    is built on the host, so the pass never waits for the device.
+    Returns [(logp [n_agent_tokens], turn index of each [n_agent_tokens])], one per sequence."""
     import torch
     device = next(model.parameters()).device
-    ids_t = torch.tensor([ids], device=device)
-    turn_t = torch.tensor(turn_of, device=device)
-    target_pos = (turn_t[1:] >= 0).nonzero().squeeze(1) + 1  # tokens scored (the first token never is)
-    if len(target_pos) == 0:
-        return torch.zeros(0, device=device), turn_t[:0]
-    logits = model(input_ids=ids_t, logits_to_keep=target_pos - 1).logits[0]  # [n_agent_tokens, vocab]
-    return token_logprobs(logits, ids_t[0, target_pos], chunk), turn_t[target_pos]
+    width = max(len(ids) for ids, _ in seqs)
+    scored = [[p for p in range(1, len(ids)) if turn_of[p] >= 0] for ids, turn_of in seqs]  # the first never is
+    keep = sorted({p - 1 for row in scored for p in row})  # the positions some row needs logits at
+    if not keep:
+        return [(torch.zeros(0, device=device), torch.zeros(0, dtype=torch.long, device=device))] * len(seqs)
+    at = {p: j for j, p in enumerate(keep)}
+    tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)
+    ids_t = tensor([ids + [0] * (width - len(ids)) for ids, _ in seqs])
+    mask = None if all(len(ids) == width for ids, _ in seqs) else tensor([[1] * len(ids) + [0] * (width - len(ids))
+                                                                          for ids, _ in seqs])
+    logits = model(input_ids=ids_t, attention_mask=mask, logits_to_keep=tensor(keep)).logits  # [rows, keep, vocab]
+    return [(token_logprobs(logits[b, tensor([at[p - 1] for p in row])], tensor([ids[p] for p in row]), chunk),
+             tensor([turn_of[p] for p in row])) for b, ((ids, turn_of), row) in enumerate(zip(seqs, scored))]
 
 
 def token_logprobs(logits, targets, chunk=1024):
@@ -440,17 +448,27 @@ def token_logprobs(logits, targets, chunk=1024):
 
 
 def turn_logprobs(model, seqs, num_turns):
-    """Per-turn (sum, count) of agent-token log-probs over a trajectory's sequences.
+    """Per-turn (sum, count) of agent-token log-probs over a trajectory's sequences, in one forward.
     sum: [num_turns] float (differentiable), count: [num_turns] tokens per turn. mean = sum / count."""
+    return trajectories_logprobs(model, [(seqs, num_turns)])[0]
+
+
+def trajectories_logprobs(model, trajs):
+    """turn_logprobs of each trajectory in trajs [(seqs, num_turns)], every sequence of every one in a single
+    forward: a critic's or multi-turn DPO's pair (chosen and rejected) costs one forward, so FSDP gathers and
+    reduces each layer once per pair."""
     import torch
     device = next(model.parameters()).device
-    total = torch.zeros(num_turns, device=device)
-    count = torch.zeros(num_turns, device=device)
-    for ids, turn_of in seqs:
-        logp, turn = sequence_logprobs(model, ids, turn_of)
-        total = total.index_add(0, turn, logp)
-        count = count.index_add(0, turn, torch.ones_like(logp))
-    return total, count
+    flat = [s for seqs, _ in trajs for s in seqs]
+    results = iter(sequence_logprobs(model, flat) if flat else [])
+    out = []
+    for seqs, num_turns in trajs:
+        total, count = torch.zeros(num_turns, device=device), torch.zeros(num_turns, device=device)
+        for _ in seqs:
+            logp, turn = next(results)
+            total, count = total.index_add(0, turn, logp), count.index_add(0, turn, torch.ones_like(logp))
+        out.append((total, count))
+    return out
 
 
 # ------------------------------- FAST PATH (same numbers) -------------------------------------
@@ -575,6 +593,44 @@ def init_distributed():
         import datetime  # an hour: the other ranks wait in a barrier while rank 0 writes a whole 8B checkpoint
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=1))
     return rank, world, device
+
+
+def recompute(name, forced, tokens, world, device, train_layers=0):
+    """Whether a training stage checkpoints activations (recomputes them in backward): when --grad_ckpt forces
+    it, or on a GPU where the longest micro-batch (`tokens`, padding included) would not fit without it
+    (needs_recompute); never on a CPU, where memory is not what bounds a run. Says which on rank 0."""
+    import torch
+    from transformers import AutoConfig
+    import models
+    if forced or device.type != "cuda":
+        return forced
+    config = AutoConfig.from_pretrained(models.resolve_model(name))
+    need, fits = needs_recompute(config, tokens, world, torch.cuda.get_device_properties(device).total_memory, train_layers)
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"activation checkpointing {'on' if need else 'off'}: the longest micro-batch ({tokens} tokens) "
+              f"{'needs more than' if need else 'fits in'} {fits / 2**30:.1f} GiB without it", flush=True)
+    return need
+
+
+def needs_recompute(config, tokens, world, memory, train_layers=0):
+    """(need, room): whether the activations that backward keeps for a micro-batch of `tokens` tokens, in bf16,
+    exceed the room that 80% of a GPU's `memory` bytes leaves beside this rank's share of the fp32 weights, their
+    gradients and AdamW's two moments (16 bytes a trained parameter, 4 a frozen one, over `world` ranks; the
+    embeddings train unless train_layers freezes the bottom). Estimates
+    from a Llama-style config: 16 * hidden + 8 * intermediate bytes a token in each trained decoder layer (norm
+    inputs, q/k/v, the attention output under flash-attention, the MLP's gate, up and product), and bf16 logits
+    of every token beside an fp32 chunk of 1,024 rows (token_logprobs)."""
+    h, inter, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    layer = h * head_dim * (2 * heads + 2 * kv) + 3 * h * inter  # q, o; k, v; gate, up, down
+    embed = vocab * h * (1 if getattr(config, "tie_word_embeddings", False) else 2)
+    trained = min(train_layers or layers, layers)
+    state = (16 * trained * layer + 4 * (layers - trained) * layer + (4 if train_layers else 16) * embed) / world
+    activations = tokens * (trained * (16 * h + 8 * inter) + 2 * vocab) + 1024 * vocab * 8
+    room = 0.8 * memory - state  # the rest: the allocator's slack, backward's transient buffers, gathered layers
+    return activations > room, room
 
 
 def training_model(name, world, device, dtype=None, grad_ckpt=False, train_layers=0):
@@ -800,14 +856,22 @@ def dummy_forwards(model, n):
     return out
 
 
-def seq_forwards(seqs):
-    """The forwards turn_logprobs runs on tokenize_turns' sequences: one for each that scores an agent token."""
-    return sum(any(t >= 0 for t in turn_of[1:]) for _, turn_of in seqs)
+def seq_forwards(*seqs):
+    """The forwards trajectories_logprobs runs on the tokenize_turns sequences of one or more trajectories: one,
+    or none when no sequence scores an agent token."""
+    return int(any(any(t >= 0 for t in turn_of[1:]) for part in seqs for _, turn_of in part))
 
 
 def shared_forwards(conts):
     """The forwards shared_prompt_logprobs (max_tokens None) runs: the prompt, then one per length group."""
     return 1 + len(length_groups([len(c) for c in conts]))
+
+
+def padded_tokens(*seqs):
+    """The tokens trajectories_logprobs forwards for the tokenize_turns sequences of one or more trajectories:
+    rows times the longest, padding included."""
+    rows = [len(ids) for part in seqs for ids, _ in part]
+    return len(rows) * max(rows, default=0)
 
 
 def lockstep_plan(batch, world, forwards):

@@ -28,8 +28,8 @@ PY=${PY:-}                            # a python with the requirements (empty: s
 if [ -z "$PY" ]; then bash setup.sh; PY=.venv/bin/python; fi
 EMB=$([ "$MODEL" = embedded ] && echo 1 || echo 0)
 TRAIN_LAYERS=$([ "$EMB" = 1 ] && echo 10 || echo 0)  # the embedded run trains the top 10 of 30 layers (README, deviations)
-CRITIC_EPOCHS=$([ "$EMB" = 1 ] && echo 2 || echo 4)  # released: 4; and at scale the released optimizer and checkpointing
-TRAIN_ARGS=$([ "$EMB" = 1 ] && echo "--schedule constant" || echo --grad_ckpt)
+CRITIC_EPOCHS=$([ "$EMB" = 1 ] && echo 2 || echo 4)  # released: 4; and at scale the released optimizer
+TRAIN_ARGS=$([ "$EMB" = 1 ] && echo "--schedule constant" || true)
 if [ -z "$AGENT_BACKEND" ]; then AGENT_BACKEND=hf
   if [ "$EMB" = 0 ] && "$PY" -c 'import vllm' 2>/dev/null; then AGENT_BACKEND=vllm
   elif [ "$EMB" = 0 ] && nvidia-smi -L >/dev/null 2>&1; then echo "run.sh: $MODEL on a" \

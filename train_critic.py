@@ -73,7 +73,7 @@ class Args:
     """float32 (the trained weights as they are) | bfloat16 (half the size, for serving: a weight whose
     whole update is below half a bf16 step rounds back to its starting value)"""
     grad_ckpt: bool = False
-    """activation checkpointing (memory for long trajectories at scale)"""
+    """activation checkpointing always; without it, on a GPU only where the longest pair would not fit (common.recompute)"""
     save_minutes: float = 30.0
     """save the training state (model + optimizer) to OUTPUT_DIR/resume when this many minutes have passed since
     the last save (0: after every step; inf: never), written in the background while training goes on"""
@@ -186,7 +186,9 @@ def main(args):
     if rank == 0:
         print(f"{len(pairs)} pairs from {len(task_ids)} tasks: {len(train_pairs)} train, {len(held_pairs)} held out", flush=True)
 
-    critic = common.training_model(args.model, world, device, models.compute_dtype(args.dtype, device), args.grad_ckpt,
+    longest = max(common.padded_tokens(*(t["seqs"] for t in pair)) for pair in pairs)
+    critic = common.training_model(args.model, world, device, models.compute_dtype(args.dtype, device),
+                                   common.recompute(args.model, args.grad_ckpt, longest, world, device, args.train_layers),
                                    args.train_layers)
 
     # pi_ref = the starting critic weights: its per-turn log-probs once, before any update
@@ -194,28 +196,30 @@ def main(args):
     for t, ref_sum in zip(trajs, common.precompute(critic, trajs, ref_fn, rank, world, lambda t: common.seq_forwards(t["seqs"]))):
         t["ref_sum"] = ref_sum
 
-    def score(m, t):
-        """S(tau): the critic's score of one trajectory (equation 2's argument)."""
-        logp_sum, count = common.turn_logprobs(m, t["seqs"], len(t["turns"]))
-        return trajectory_score(logp_sum, torch.tensor(t["ref_sum"], device=logp_sum.device), count, args.beta,
-                                args.normalization)
+    def scores(m, pair):
+        """S(tau+), S(tau-): the critic's score of each trajectory of a pair (equation 2's argument), in one forward."""
+        return [trajectory_score(logp_sum, torch.tensor(t["ref_sum"], device=logp_sum.device), count, args.beta,
+                                 args.normalization)
+                for t, (logp_sum, count) in zip(pair, common.trajectories_logprobs(m, [(t["seqs"], len(t["turns"])) for t in pair]))]
 
     def pair_loss(m, pair):
         """The loss of one pair (chosen, rejected), and its metrics."""
-        s_c, s_r = score(m, pair[0]), score(m, pair[1])
+        s_c, s_r = scores(m, pair)
         loss, diff = critic_loss(s_c, s_r), (s_c - s_r).detach()
         return loss, {"n": 1, "loss": loss.detach(), "acc": (diff > 0).float(), "margin": diff,
                       "tokens": sum(len(s[0]) for t in pair for s in t["seqs"])}  # tensors: no host sync
 
     def pair_forwards(pair):
-        return sum(common.seq_forwards(t["seqs"]) for t in pair)
+        return common.seq_forwards(*(t["seqs"] for t in pair))
 
     def pair_metrics(name, eval_pairs):
         """loss, acc and margin of the current critic on eval_pairs, without grad."""
         if not eval_pairs:
             return {}
         critic.eval()
-        margin = lambda m, pair: (score(m, pair[0]) - score(m, pair[1])).item()
+        def margin(m, pair):
+            s_c, s_r = scores(m, pair)
+            return (s_c - s_r).item()
         margins = torch.tensor(common.precompute(critic, eval_pairs, margin, rank, world, pair_forwards, f"{name} pairs"))
         critic.train()
         return {f"{name}_loss": F.softplus(-margins).mean().item(), f"{name}_acc": (margins > 0).float().mean().item(),

@@ -65,7 +65,8 @@ class Args:
     """float32 (the trained weights as they are) | bfloat16 (half the size, for serving: a weight whose
     whole update is below half a bf16 step rounds back to its starting value)"""
     grad_ckpt: bool = False
-    """activation checkpointing (less memory, ~30% slower)"""
+    """activation checkpointing always (less memory, ~30% slower); without it, on a GPU only where the longest pair
+    would not fit (common.recompute)"""
     save_minutes: float = 30.0
     """save the training state (model + optimizer) to OUTPUT_DIR/resume when this many minutes have passed since
     the last save (0: after every step; inf: never), written in the background while training goes on"""
@@ -147,16 +148,17 @@ def main(args):
         sys.exit(f"no training examples for --mode {args.mode} (no pairs / no successful trajectories)")
     if rank == 0:
         print(f"{len(examples)} examples for --mode {args.mode}", flush=True)
-    shared = args.mode == "turn" and not args.grad_ckpt  # the fast path needs a KV cache: no checkpointing
     for ex in examples:  # tokenise once
-        if shared:  # (prompt ids, [chosen ids, rejected ids]): the prompt runs once per pair
-            ex["shared"] = common.encode_shared(tok, "", ex["prompt"], [ex["chosen"][0][1], ex["rejected"][0][1]], args.max_len)
-            continue
         for side in ("chosen", "rejected"):
             if side in ex:
                 ex[side + "_seqs"] = common.tokenize_turns(tok, ex[side], max_len=args.max_len)
-    model = common.training_model(args.model, world, device, models.compute_dtype(args.dtype, device), args.grad_ckpt,
-                                  args.train_layers)
+    longest = max(common.padded_tokens(*(ex[side + "_seqs"] for side in ("chosen", "rejected") if side in ex))
+                  for ex in examples)
+    ckpt = common.recompute(args.model, args.grad_ckpt, longest, world, device, args.train_layers)
+    if args.mode == "turn" and not ckpt:  # the fast path needs a KV cache, so no checkpointing:
+        for ex in examples:  # (prompt ids, [chosen ids, rejected ids]), the prompt run once per pair
+            ex["shared"] = common.encode_shared(tok, "", ex["prompt"], [ex["chosen"][0][1], ex["rejected"][0][1]], args.max_len)
+    model = common.training_model(args.model, world, device, models.compute_dtype(args.dtype, device), ckpt, args.train_layers)
 
     def summed_logp(m, seqs, n_turns):
         total, count = common.turn_logprobs(m, seqs, n_turns)
@@ -166,7 +168,7 @@ def main(args):
         """The forwards loss_fn (and pi_ref's log-probs) run on one example."""
         if "shared" in ex:
             return common.shared_forwards(ex["shared"][1])
-        return sum(common.seq_forwards(ex[side + "_seqs"]) for side in ("chosen", "rejected") if side + "_seqs" in ex)
+        return common.seq_forwards(*(ex[side + "_seqs"] for side in ("chosen", "rejected") if side + "_seqs" in ex))
 
     def pair_logps(m, ex):
         """logp(a+), logp(a-) (summed over turns), tokens of a+, and tokens forwarded, for one pair."""
@@ -174,7 +176,8 @@ def main(args):
             prompt_ids, turns = ex["shared"]
             sums, counts = common.shared_prompt_logprobs(m, prompt_ids, turns)
             return sums[0], sums[1], counts[0], len(prompt_ids) + sum(map(len, turns))
-        (logp_c, n_c), (logp_r, _) = (summed_logp(m, ex[side + "_seqs"], len(ex[side])) for side in ("chosen", "rejected"))
+        (logp_c, n_c), (logp_r, _) = ((total.sum(), count.sum()) for total, count in common.trajectories_logprobs(
+            m, [(ex[side + "_seqs"], len(ex[side])) for side in ("chosen", "rejected")]))  # one forward for the pair
         return logp_c, logp_r, n_c, sum(len(s[0]) for s in ex["chosen_seqs"] + ex["rejected_seqs"])
 
     if args.mode != "sft":  # pi_ref log-probs once, with the starting weights

@@ -137,7 +137,7 @@ with open(pairs, "w") as g:
     g.writelines(x for x in open(run / "pairs.jsonl") if json.loads(x)["task_id"] in kept)
 stages = a.stages.split(",")
 torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
-train = ["--task_type", "html", "--lr", "2e-7", "--batch_size", "8", "--dtype", "auto", "--grad_ckpt"]
+train = ["--task_type", "html", "--lr", "2e-7", "--batch_size", "8", "--dtype", "auto"]  # checkpointing where memory needs it
 
 
 def save():

@@ -71,8 +71,7 @@ def test_two_processes_match_one(tiny_model, tmp_path, script, extra):
 
 
 def test_ranks_with_uneven_work_stay_in_lock_step(tiny_model, tmp_path):
-    """3 tasks on 2 ranks: one rank has a task (2 forwards: its 2 trajectories) where the
-    other has none, in the reference log-probs and in the step. Every rank pads its forwards to the
+    """3 tasks on 2 ranks: one rank has a task (a pair, one forward) where the other has none, in the reference log-probs and in the step. Every rank pads its forwards to the
     plan all ranks compute alike (common.lockstep_plan), so none waits in a collective the others never
     reach (this hung before), and the run matches one process."""
     tok = models.load_tokenizer(tiny_model)

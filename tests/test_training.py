@@ -74,6 +74,21 @@ def test_one_forward_equals_per_turn_forwards(tok_model):
     with torch.no_grad():
         total2, _ = common.turn_logprobs(model, seqs2, len(turns))
     assert total2.tolist() == pytest.approx(naive_turn_logprobs(model, tok, broken, prefix), abs=1e-5)
+    # a trajectory costs one forward whatever its sequences, and so does a pair (rows of unequal length, padded and
+    # masked), with the same numbers and gradients
+    counted = common.count_forwards(model)
+    grads = []
+    for together in (False, True):
+        model.zero_grad()
+        counted.forwards = 0
+        parts = (common.trajectories_logprobs(model, [(seqs, len(turns)), (seqs2, len(turns))]) if together else
+                 [common.turn_logprobs(model, s, len(turns)) for s in (seqs, seqs2)])
+        assert counted.forwards == (1 if together else 2) == (common.seq_forwards(seqs, seqs2) if together else 2)
+        assert [t.tolist() for t, _ in parts] == [pytest.approx(naive_turn_logprobs(model, tok, x, prefix), abs=1e-5)
+                                                 for x in (turns, broken)]
+        (parts[0][0].sum() - 2 * parts[1][0].sum()).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert grads[0].abs().max() > 0 and torch.allclose(grads[0], grads[1], atol=1e-5)
 
 
 def test_critic_score_and_loss_by_hand(tok_model):
@@ -479,6 +494,27 @@ def test_a_training_step_syncs_the_host_once(tiny_model, tmp_path, monkeypatch):
         three = syncs(main, args, 3)
         steps = len(read_jsonl(tmp_path / args(3).output_dir / "log.jsonl")) - len(read_jsonl(tmp_path / args(1).output_dir / "log.jsonl"))
         assert steps == 8 and three - one == steps, reads  # 4 steps an epoch
+
+
+def test_activations_are_recomputed_only_where_memory_needs_it(tiny_model):
+    """Llama-3.1-8B's and Llama-3.2-1B's shapes (configs only): at 8B a whole model's fp32 weights and AdamW state
+    (16 bytes a parameter, 128 GB) exceed one 80 GiB GPU, so checkpointing is on whatever the tokens; sharded over
+    8 GPUs a 2k-token pair fits and a 16k-token one does not; a 1B model fits even at 16k tokens on one GPU. On the
+    CPU the stage decides nothing: --grad_ckpt as given."""
+    from transformers import LlamaConfig
+    gib = 2 ** 30
+    llama8b = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                          num_key_value_heads=8, vocab_size=128256)
+    llama1b = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                          num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True)
+    need = lambda config, tokens, world, layers=0: common.needs_recompute(config, tokens, world, 80 * gib, layers)[0]
+    assert need(llama8b, 1, world=1)
+    assert not need(llama8b, 2048, world=8) and need(llama8b, 16384, world=8)
+    assert not need(llama1b, 16384, world=1)
+    room = lambda layers: common.needs_recompute(llama8b, 1, 1, 80 * gib, layers)[1]
+    assert room(4) > room(16) > room(0)  # frozen layers hold no gradients or moments
+    for forced in (False, True):
+        assert common.recompute(tiny_model, forced, 10 ** 9, 1, torch.device("cpu")) is forced
 
 
 def test_lockstep_plan_pads_every_rank_to_the_most_forwards(tiny_model):

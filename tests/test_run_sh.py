@@ -132,8 +132,8 @@ def test_run_sh_on_colbench_files_uses_released_settings(tiny_model, tmp_path):
     """TRAIN_TASKS / TEST_TASKS: ColBench-format files replace the procedural tasks, and the settings not given take
     the released values (config/colbench.sh): every train task, the first N_TEST test tasks. PROMPT_DIR: both the
     agent and the scripted human use its templates. The at-scale shape, on 2 CPU processes: a non-embedded MODEL
-    with NPROC=2 samples rollouts and candidates in torchrun shards that run.sh merges, and trains with
-    activation checkpointing under FSDP2."""
+    with NPROC=2 samples rollouts and candidates in torchrun shards that run.sh merges, and trains under FSDP2
+    (activation checkpointing only where a GPU's memory needs it: never here)."""
     from test_prompts import AGENT, write_templates
     tasks = [{"problem_description": f"Write add{i}(x). The signature is def add{i}(x)", "hidden_information": f"Add {i}.",
               "ground_truth": f"def add{i}(x):\n    return x + {i}\n", "test_cases": {"a": f"add{i}(1)", "b": f"add{i}(5)"}}

@@ -76,3 +76,25 @@ def test_file_source_reads_jsonl_and_datasets_dirs(tmp_path):
     assert [{k: t[k] for k in tasks[0]} for t in out] == tasks and all(len(t["task_id"]) == 12 for t in out)
     datasets.Dataset.from_list([dict(t, test_cases=json.dumps(t["test_cases"])) for t in tasks]).save_to_disk(tmp_path / "ds")
     assert [t["task_id"] for t in colbench.load_tasks(tmp_path / "ds")] == [t["task_id"] for t in out]
+
+
+def test_colbench_files_give_every_train_task_and_the_first_thousand_test_tasks(tmp_path):
+    """The at-scale command's data: config/colbench.sh's N_TEST (1,000 unless set) and run.sh's two calls of
+    generate_tasks.py on a 1,200-task test file and a 700-task train file."""
+    import subprocess
+    root = common.Path(common.__file__).parent
+    sh = subprocess.run(["bash", "-c", ". config/colbench.sh; echo $N_TEST $N_VAL $N_WARMUP"], cwd=root, text=True,
+                        capture_output=True, env={"PATH": "/usr/bin:/bin"}, check=True)
+    assert sh.stdout.split() == ["1000", "0", "0"]  # N_TEST, and no validation or warm-up tasks taken from train
+    n_test = int(sh.stdout.split()[0])
+    tasks = [{"problem_description": f"Write f{i}(x).", "hidden_information": f"Add {i}.", "ground_truth":
+              f"def f{i}(x):\n    return x + {i}\n", "test_cases": {"a": f"f{i}(1)"}} for i in range(1900)]
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks[:1200]))
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks[1200:]))
+    run_script("generate_tasks.py", "--source", "file", "--input", tmp_path / "test.jsonl", "--num_tasks", n_test,
+               "--output", tmp_path / "t.jsonl")
+    run_script("generate_tasks.py", "--source", "file", "--input", tmp_path / "train.jsonl", "--num_tasks", 0,
+               "--exclude", tmp_path / "t.jsonl", "--output", tmp_path / "tr.jsonl")
+    test, train = read_jsonl(tmp_path / "t.jsonl"), read_jsonl(tmp_path / "tr.jsonl")
+    assert [t["problem_description"] for t in test] == [t["problem_description"] for t in tasks[:1000]]
+    assert [t["problem_description"] for t in train] == [t["problem_description"] for t in tasks[1200:]]

@@ -44,7 +44,7 @@ for v in TASK_TYPE SMALL SEED MODEL TRAIN_TASKS TEST_TASKS SIMULATOR_URL NPROC A
   printf '  %s=%s\n' "$v" "${!v-}"; done
 mkdir -p "$RUN"; free_kb=$(df -Pk "$RUN" | awk 'NR == 2 {print $4}')  # a whole embedded run writes 3.6 GB
 [ "$EMB" = 1 ] && [ "${free_kb:-0}" -lt 6291456 ] && echo "run.sh: warning: $((free_kb / 1048576)) GB free for $RUN (set RUN=dir)" >&2
-log() { printf '\n== %s\n' "$*"; }
+log() { printf '\n== %s  [%s, %d min in]\n' "$*" "$(date +%H:%M:%S)" $((SECONDS / 60)); }  # the stages' wall time
 torchrun() { if [ "$NPROC" -gt 1 ]; then "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" "$@"; else "$PY" "$@"; fi; }
 train() {  # train DIR SCRIPT ARGS: a finished DIR (config.json is written last) is reused, a killed one resumes
   local out=$1; shift; if [ -f "$out/config.json" ]; then echo "reusing $out (delete it to redo)"; return; fi
@@ -155,3 +155,4 @@ log "results ($RUN)"; "$PY" evaluate.py --compare "$(IFS=,; echo "${runs[*]}")" 
 # the teaching view: every test dialogue with its turns coloured by the critic, and the labelled states
 "$PY" view.py --trajectories "$(IFS=,; echo "${runs[*]}"),train=$G" --states "$RUN/pairs.jsonl.states.jsonl" \
   --critic "$RUN/critic" --task_type "$TASK_TYPE" --max_dialogues 40 --output "$RUN/report.html" && echo "open $RUN/report.html"
+log "done ($RUN)"

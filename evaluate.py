@@ -9,6 +9,7 @@ Reads:  trajectories JSONL in the released schema (task, dialogue_history and an
     python evaluate.py --input runs/test_rollouts.jsonl --output runs/test_graded.jsonl --k 4 --summary runs/s.json
     python evaluate.py ... --released_semantics     # the released grader's quirks, for published numbers
     python evaluate.py --compare zero_shot=A_GRADED,sweet_rl=B_GRADED --summary runs/results.json
+    python evaluate.py --compare zero_shot=A0+A1+A2,sweet_rl=B0+B1+B2   # pooled over draws (NAME=draw+draw)
 
 Every ground truth and answer runs in a sandboxed child process (sandbox.run_calls), the ground truth
 once per task. Code is exec'd at module level and no substring blacklist applies (the released
@@ -58,7 +59,8 @@ class Args:
     """html: headless browsers rendering in parallel"""
     compare: str = ""
     """instead of grading: NAME=GRADED,... graded runs on the same tasks (the first is the baseline); writes
-    success with 95% bootstrap intervals and paired differences to the first to --summary"""
+    success with 95% bootstrap intervals and paired differences to the first to --summary; NAME=A+B+...
+    pools draws, the i-th file of every NAME from the same draw (tasks are resampled across the draws)"""
     policies: str = ""
     """with --compare: NAME=DIR,... the checkpoint each run used (recorded in the results)"""
     credit: str = ""
@@ -212,22 +214,23 @@ def compare(args):
     runs = dict(kv.split("=", 1) for kv in args.compare.split(","))
     policies = dict(kv.split("=", 1) for kv in args.policies.split(",") if kv)
     per_task, tests, outcomes, exact, exact_task, metric, length = {}, {}, {}, {}, {}, None, {}
-    for name, path in runs.items():
-        rows = [r for _, r in common.read_jsonl(path)]
+    for name, spec in runs.items():
+        rows, by = [], defaultdict(list)
+        for draw, path in enumerate(spec.split("+")):  # NAME=A+B+C pools draws: a task is (draw, task)
+            part = [r for _, r in common.read_jsonl(path)]
+            html = bool(part) and "metric" in part[0]  # frontend rows name their similarity metric
+            for line, r in enumerate(part, 1):
+                if ("metric" if html else "success") not in r:
+                    raise common.DataError(f"{path}:{line}: missing '{'metric' if html else 'success'}' "
+                                           f"(pass graded trajectories from evaluate.py)")
+                if r.get("metric", "success") != (metric or part[0].get("metric", "success")):
+                    raise common.DataError(f"{path}:{line}: scored with {r.get('metric', 'unit tests')}, not "
+                                           f"{metric or part[0].get('metric', 'unit tests')}: not comparable")
+                by[(draw, r.get("task_id") or colbench.task_id(r["task"]))].append(r)
+            metric = part[0]["metric"] if html else "success"
+            rows += part
         if all("family" in r["task"] for r in rows):  # procedural code tasks: where the dialogues ended
             outcomes[name] = dict(Counter(colbench.dialogue_outcome(r) for r in rows))
-        html = bool(rows) and "metric" in rows[0]  # frontend rows name their similarity metric
-        for line, r in enumerate(rows, 1):
-            if ("metric" if html else "success") not in r:
-                raise common.DataError(f"{path}:{line}: missing '{'metric' if html else 'success'}' "
-                                       f"(pass graded trajectories from evaluate.py)")
-            if r.get("metric", "success") != (metric or rows[0].get("metric", "success")):
-                raise common.DataError(f"{path}:{line}: scored with {r.get('metric', 'unit tests')}, not "
-                                       f"{metric or rows[0].get('metric', 'unit tests')}: not comparable")
-        metric = rows[0]["metric"] if html else "success"
-        by = defaultdict(list)
-        for r in rows:
-            by[r.get("task_id") or colbench.task_id(r["task"])].append(r)
         value = (lambda r: r["reward"]) if html else (lambda r: float(bool(r["success"])))
         per_task[name] = {t: sum(map(value, v)) / len(v) for t, v in by.items()}
         tests[name] = sum(r["reward"] for r in rows) / len(rows)

@@ -8,6 +8,7 @@ import types
 import pytest
 
 import colbench
+import common
 import sandbox
 import evaluate
 import generate_tasks
@@ -187,6 +188,14 @@ def test_compare_reports_bootstrap_and_paired_intervals(tmp_path):
     assert back["diff"] == -0.5 and back["ci95"][0] < -0.5 < back["ci95"][1] < -0.3
     lo, hi = evaluate.bootstrap_ci([0.0] * 10 + [1.0] * 10, 4000)  # +-1.96 * sqrt(.25 / 20) = +-0.22
     assert lo == pytest.approx(0.28, abs=0.05) and hi == pytest.approx(0.72, abs=0.05)
+    # pooled over draws (NAME=draw+draw): the second draw reuses the first's task ids, and its tasks still count
+    # on their own: 80 tasks, zero-shot 0.5 in both, sweet_rl 1.0 then 0.5, so a paired +0.25 over the pool
+    a2, b2 = graded("a2", base), graded("b2", base)
+    pooled = evaluate.main(common.parse_args(evaluate.Args, argv=[
+        "--compare", f"zero_shot={a}+{a2},sweet_rl={b}+{b2}", "--bootstrap", "2000"]))
+    assert pooled["num_test_tasks"] == 80 and pooled["methods"]["sweet_rl"]["success"] == 0.75
+    p = pooled["paired_vs_zero_shot"]["sweet_rl"]
+    assert p["diff"] == 0.25 and 0.1 < p["ci95"][0] < 0.25 < p["ci95"][1] < 0.4
 
 
 def graded_code_rows(path, successes):

@@ -213,6 +213,8 @@ def compare(args):
     common.check_writable(args.summary)
     runs = dict(kv.split("=", 1) for kv in args.compare.split(","))
     policies = dict(kv.split("=", 1) for kv in args.policies.split(",") if kv)
+    if len({spec.count("+") for spec in runs.values()}) > 1:
+        raise common.DataError(f"--compare {args.compare}: every NAME needs as many draws (files joined by +)")
     per_task, tests, outcomes, exact, exact_task, metric, length = {}, {}, {}, {}, {}, None, {}
     for name, spec in runs.items():
         rows, by = [], defaultdict(list)

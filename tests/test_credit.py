@@ -196,6 +196,8 @@ def test_compare_reports_bootstrap_and_paired_intervals(tmp_path):
     assert pooled["num_test_tasks"] == 80 and pooled["methods"]["sweet_rl"]["success"] == 0.75
     p = pooled["paired_vs_zero_shot"]["sweet_rl"]
     assert p["diff"] == 0.25 and 0.1 < p["ci95"][0] < 0.25 < p["ci95"][1] < 0.4
+    with pytest.raises(common.DataError, match="as many draws"):
+        evaluate.main(common.parse_args(evaluate.Args, argv=["--compare", f"zero_shot={a}+{a2},sweet_rl={b}"]))
 
 
 def graded_code_rows(path, successes):

@@ -8,6 +8,7 @@ Nothing here is stage logic; a helper lives here only when two or more stages ne
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -379,9 +380,12 @@ def server_message(r):
 # Agent turns are stored as exact (input, output) strings, maybe from another model's chat template:
 # we tokenise them as stored, never re-render. When turn t+1's input starts with turn t's input +
 # output (ordinary chat templates), the trajectory is ONE sequence [prefix][input_1][output_1][rest
-# of input_2][output_2]... and one forward scores every turn; else a turn starts a new sequence. The
-# end-of-turn token after an output counts as part of that agent turn (training teaches the model
-# to stop); the system prompt, user turns and the training-time prefix c never count.
+# of input_2][output_2]... and one forward scores every turn. A template that trims content (Llama-3.1's)
+# shows an output with white space at its ends trimmed in later inputs: that turn is scored as shown there,
+# and the trajectory stays one sequence. Only a template that rewrites history otherwise starts a new
+# sequence (counted and reported by extra_rows). The end-of-turn token after an output counts
+# as part of that agent turn (training teaches the model to stop); the system prompt, user turns and the
+# training-time prefix c never count.
 # ----------------------------------------------------------------------------------------------
 def tokenize_turns(tokenizer, turns, prefix="", max_len=None):
     """Token sequences for one trajectory. Returns a list of (ids, turn_of) where turn_of[i] is the
@@ -389,29 +393,38 @@ def tokenize_turns(tokenizer, turns, prefix="", max_len=None):
     (the critic's training-time information c) and the last tokens of the dialogue, max_len in all
     (a turn cut off entirely then has no tokens)."""
     enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"] if s else []
-    eos, eos_id = tokenizer.eos_token, tokenizer.eos_token_id
-    seqs, text, ids, turn_of = [], None, [], []
+    eos, eos_id, pre = tokenizer.eos_token, tokenizer.eos_token_id, enc(prefix)
+    if not turns:
+        return []
+    seqs, text, ids, turn_of = [], "", list(pre), [-1] * len(pre)
     for t, (inp, out) in enumerate(turns):
-        if text is not None and inp.startswith(text):
-            rest = inp[len(text):]
-            rest = rest[len(eos):] if rest.startswith(eos) else rest  # already counted with the last output
-        else:  # first turn, or a template that rewrites history: new sequence
-            if ids:
-                seqs.append((ids, turn_of))
-            ids, turn_of = enc(prefix), [-1] * len(enc(prefix))
-            rest = inp
-        r = enc(rest)
-        o = enc(out) + [eos_id]
+        if not inp.startswith(text):  # a template that rewrites history: a new sequence
+            seqs.append((ids, turn_of))
+            text, ids, turn_of = "", list(pre), [-1] * len(pre)
+        rest = inp[len(text):]
+        rest = rest[len(eos):] if text and rest.startswith(eos) else rest  # already counted with the last output
+        later = turns[t + 1][0] if t + 1 < len(turns) else None
+        shown = next((o for o in (out, out.strip(), out.rstrip(), out.lstrip())
+                      if later is not None and later.startswith(inp + o + eos)), out)  # as the next input shows it
+        r, o = enc(rest), enc(shown) + [eos_id]
         ids, turn_of = ids + r + o, turn_of + [-1] * len(r) + [t] * len(o)
-        text = inp + out + eos
-    if ids:
-        seqs.append((ids, turn_of))
+        text = inp + shown + eos
+    seqs.append((ids, turn_of))
     if max_len:  # keep c (the prefix) whole and the last tokens of the dialogue: the dialogue is cut, never c
-        n_pre = len(enc(prefix))
-        keep = max(max_len - n_pre, 1)
-        seqs = [(i[:n_pre] + i[n_pre:][-keep:], o[:n_pre] + o[n_pre:][-keep:]) if len(i) > max_len else (i, o)
+        keep = max(max_len - len(pre), 1)
+        seqs = [(i[:len(pre)] + i[len(pre):][-keep:], o[:len(pre)] + o[len(pre):][-keep:]) if len(i) > max_len else (i, o)
                 for i, o in seqs]
     return seqs
+
+
+def extra_rows(all_seqs, rank=0):
+    """(trajectories of more than one sequence, sequences beyond one a trajectory) among tokenize_turns results,
+    said on rank 0 when there are any: what a chat template that rewrites history costs (rows padded alike)."""
+    many = [len(seqs) - 1 for seqs in all_seqs if len(seqs) > 1]
+    if many and rank == 0:
+        print(f"{len(many)} of {len(all_seqs)} trajectories take {sum(many)} more rows than one each: their chat "
+              f"template rewrites earlier turns in later inputs beyond trimming white space", flush=True)
+    return len(many), sum(many)
 
 
 def sequence_logprobs(model, seqs, chunk=1024):
@@ -577,10 +590,13 @@ def shared_prompt_logprobs(model, prompt_ids, conts, chunk=1024, max_tokens=None
 
 
 # ----------------------------------------------------------------------------------------------
-# Distributed training (torchrun) with FSDP2; plain `python` is world size 1 without FSDP.
+# Distributed training with FSDP2: one code path for every world size, plain `python` a world of one.
 # ----------------------------------------------------------------------------------------------
 def init_distributed():
-    """Returns (rank, world_size, device). nccl on GPU, gloo on CPU."""
+    """Returns (rank, world_size, device) in a process group: nccl on GPU, gloo on CPU. torchrun's world, or a
+    world of one for plain `python` (an in-memory store): one process trains with FSDP2 over a one-rank mesh,
+    the same code that runs on eight."""
+    import datetime
     import torch
     import torch.distributed as dist
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -589,10 +605,14 @@ def init_distributed():
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if world > 1 and not dist.is_initialized():
-        import datetime  # an hour: the other ranks wait in a barrier while rank 0 writes a whole 8B checkpoint
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=1))
-    return rank, world, device
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(hours=1)  # the other ranks wait in a barrier while rank 0 writes an 8B checkpoint
+        if "MASTER_ADDR" in os.environ:  # torchrun
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return dist.get_rank(), dist.get_world_size(), device
 
 
 def recompute(name, forced, tokens, world, device, train_layers=0):
@@ -614,12 +634,15 @@ def recompute(name, forced, tokens, world, device, train_layers=0):
 
 def needs_recompute(config, tokens, world, memory, train_layers=0):
     """(need, room): whether the activations that backward keeps for a micro-batch of `tokens` tokens, in bf16,
-    exceed the room that 80% of a GPU's `memory` bytes leaves beside this rank's share of the fp32 weights, their
-    gradients and AdamW's two moments (16 bytes a trained parameter, 4 a frozen one, over `world` ranks; the
-    embeddings train unless train_layers freezes the bottom). Estimates
-    from a Llama-style config: 16 * hidden + 8 * intermediate bytes a token in each trained decoder layer (norm
-    inputs, q/k/v, the attention output under flash-attention, the MLP's gate, up and product), and bf16 logits
-    of every token beside an fp32 chunk of 1,024 rows (token_logprobs)."""
+    exceed the room that 80% of a GPU's `memory` bytes leaves beside what training holds (shard_model, backward):
+    this rank's share of the fp32 weights, their gradients and AdamW's two moments (16 bytes a trained parameter,
+    4 a frozen one, over `world` ranks; the embeddings train unless train_layers freezes the bottom); the bf16
+    copies FSDP2 gathers (the root's embeddings and head, kept for the whole step, the layer at work, the next one
+    prefetched and the last one, kept after its forward); and the unsharded fp32 gradient of the largest unit
+    (a layer, or the embeddings), held until its reduce-scatter. Estimates from a Llama-style config: 16 * hidden
+    + 8 * intermediate bytes a token in each trained decoder layer (norm inputs, q/k/v, the attention output
+    under flash-attention, the MLP's gate, up and product), and bf16 logits of every token beside an fp32 chunk
+    of 1,024 rows (token_logprobs)."""
     h, inter, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
@@ -628,21 +651,20 @@ def needs_recompute(config, tokens, world, memory, train_layers=0):
     embed = vocab * h * (1 if getattr(config, "tie_word_embeddings", False) else 2)
     trained = min(train_layers or layers, layers)
     state = (16 * trained * layer + 4 * (layers - trained) * layer + (4 if train_layers else 16) * embed) / world
+    gathered = 2 * (embed + 3 * layer) + 4 * (layer if train_layers else max(layer, embed))
     activations = tokens * (trained * (16 * h + 8 * inter) + 2 * vocab) + 1024 * vocab * 8
-    room = 0.8 * memory - state  # the rest: the allocator's slack, backward's transient buffers, gathered layers
+    room = 0.8 * memory - state - gathered  # the rest: the allocator's slack, backward's transient buffers
     return activations > room, room
 
 
 def training_model(name, world, device, dtype=None, grad_ckpt=False, train_layers=0):
-    """The model a training stage updates: fp32 master weights, compute in dtype (shard_model). Under torchrun
-    it is built empty (meta device) on every rank and sharded; rank 0 alone reads the weights, on the CPU, and
-    each rank receives only its shards: no rank ever holds the whole model on its accelerator."""
+    """The model a training stage updates: fp32 master weights, compute in dtype (shard_model). It is built
+    empty (meta device) on every rank and sharded; rank 0 alone reads the weights, on the CPU, and each rank
+    receives only its shards: no rank ever holds the whole model on its accelerator (a world of one: the same)."""
     import torch
     import torch.distributed as dist
     import models
-    model = models.load_model(name, device, grad_ckpt, torch.float32, train_layers, empty=world > 1)
-    if world == 1:
-        return shard_model(model, world, device, dtype)
+    model = models.load_model(name, device, grad_ckpt, torch.float32, train_layers, empty=True)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     buffers = dict(model.named_buffers())  # computed, not read (rotary frequencies): to_empty would lose them
     full = models.load_model(name, torch.device("cpu"), dtype=torch.float32).state_dict() if dist.get_rank() == 0 else {}
@@ -656,18 +678,14 @@ def training_model(name, world, device, dtype=None, grad_ckpt=False, train_layer
 
 
 def shard_model(model, world, device, dtype=None):
-    """FSDP2: fully_shard each decoder layer, then the root (one process: the plain model); either way
-    it counts its forwards (count_forwards). dtype (compute) below the fp32 weights: mixed precision,
-    AdamW updates fp32 master weights (a 2e-7 step on a bf16 weight of 1e-2 rounds away); FSDP2 casts
-    gathered parameters to dtype and reduces gradients in fp32, one process runs under autocast."""
+    """FSDP2: fully_shard each decoder layer, then the root, over a mesh of every rank (one rank: the same code);
+    it counts its forwards (count_forwards). dtype (compute) below the fp32 weights: mixed precision, AdamW
+    updates fp32 master weights (a 2e-7 step on a bf16 weight of 1e-2 rounds away); FSDP2 casts gathered
+    parameters to dtype and reduces gradients in fp32."""
     import torch
-    mixed = dtype is not None and dtype != next(model.parameters()).dtype
-    if world == 1:
-        if mixed:
-            model.forward = torch.autocast(device.type, dtype=dtype)(model.forward)
-        return count_forwards(model)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mixed = dtype is not None and dtype != next(model.parameters()).dtype
     mesh = init_device_mesh(device.type, (world,))
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
     layers = model.model.layers
@@ -680,7 +698,7 @@ def all_reduce(x, op="sum"):
     """Sum (or max) a python number across ranks; identity for one process."""
     import torch
     import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()):
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return x
     t = torch.tensor(float(x), device="cuda" if torch.cuda.is_available() else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
@@ -893,13 +911,14 @@ def pad_forwards(model, planned, world):
     return dummy_forwards(model, planned - model.forwards) if world > 1 and planned > model.forwards else None
 
 
-def backward(model, loss, world, last, planned):
+def backward(model, loss, world, planned):
     """One micro-batch's backward, in lock-step with the other ranks: a rank with no example left
     (loss=None) runs one zero-weight forward, and every rank pads its forwards to the plan's (lockstep_plan), so
     that all run the same collectives. FSDP averages gradients over ranks; the loss is already divided by the
-    global batch size, so it is multiplied by world here. Gradients are reduced only at the last micro-batch."""
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(last)
+    global batch size, so it is multiplied by world here. Every micro-batch's gradients are reduce-scattered
+    as its backward runs and added to this rank's shard: a rank never holds more than one layer's unsharded
+    gradient, whatever the number of micro-batches (FSDP2's default; syncing only at the last micro-batch
+    would keep the whole model's unsharded fp32 gradient on every rank until then)."""
     if loss is None or not loss.requires_grad:  # nothing to learn here, but a backward must exist
         loss = dummy_forwards(model, 1)
     pad = pad_forwards(model, planned, world)
@@ -907,31 +926,59 @@ def backward(model, loss, world, last, planned):
     model.forwards = 0
 
 
-def precompute(model, items, fn, rank, world, forwards, desc="reference log-probs"):
+def precompute(model, items, fn, rank, world, forwards, desc="reference log-probs", cache=None):
     """fn(model, item) -> json-able result for every item, without grad; items are split across ranks
     in lock-step rounds (forwards(item): the forwards fn runs) and the results gathered on every rank (used
-    to compute pi_ref log-probs once, before training, and for held-out metrics)."""
+    to compute pi_ref log-probs once, before training, and for held-out metrics). cache = (directory,
+    key(item) -> str): results already in the directory's files (any rank's, any earlier run's) are read, not
+    computed again, and each new one is appended to this rank's file as soon as it is made, so a resumed or
+    rerun stage skips what a killed one finished (key: a digest of the item's content and the model's)."""
     import math
     import torch
     import torch.distributed as dist
-    results = {}
+    results, todo, keys, writer = {}, list(range(len(items))), None, None
+    if cache:
+        folder, key = Path(cache[0]), cache[1]
+        keys = [key(x) for x in items]
+        known = {r["key"]: r["value"] for f in sorted(folder.glob("rank*.jsonl")) for _, r in read_jsonl(f, True)}
+        barrier()  # every rank has read before any rank appends
+        results = {i: known[k] for i, k in enumerate(keys) if k in known}
+        todo = list({keys[i]: i for i in reversed(todo) if i not in results}.values())[::-1]  # one item a key
+        writer = ResumableWriter(folder / f"rank{rank}.jsonl", key=lambda r: r["key"])
+        if rank == 0:
+            print(f"{desc}: {len(results)} of {len(items)} read from {folder}, {len(todo)} to compute", flush=True)
+    mine = {}
     with torch.no_grad():
-        for j in tqdm_if(range(math.ceil(len(items) / world)), rank == 0, desc):
-            mine = j * world + rank
-            if mine < len(items):
-                results[mine] = fn(model, items[mine])
-            pad_forwards(model, max(forwards(x) for x in items[j * world:(j + 1) * world]), world)
+        for j in tqdm_if(range(math.ceil(len(todo) / world)), rank == 0, desc):
+            part = todo[j * world:(j + 1) * world]
+            if rank < len(part):
+                i = part[rank]
+                mine[i] = fn(model, items[i])
+                if writer:
+                    writer.write({"key": keys[i], "value": mine[i]})
+            pad_forwards(model, max(forwards(items[i]) for i in part), world)
             model.forwards = 0
-    if world > 1:
+    if writer:
+        writer.close()
+    if dist.is_initialized():
         # FSDP2 leaves the root's parameters unsharded after a forward with no backward: reshard, or
         # an optimizer built next would hold the temporary unsharded tensors and never update them
         for m in model.modules():
             if hasattr(m, "reshard"):
                 m.reshard()
         gathered = [None] * world
-        dist.all_gather_object(gathered, results)
-        results = {k: v for part in gathered for k, v in part.items()}
+        dist.all_gather_object(gathered, mine)
+        mine = {k: v for part in gathered for k, v in part.items()}
+    results.update(mine)
+    if keys:  # an item whose content another item has: the same result
+        by_key = {keys[i]: v for i, v in results.items()}
+        return [by_key[k] for k in keys]
     return [results[i] for i in range(len(items))]
+
+
+def content_key(*parts):
+    """A digest of json-able parts (an item's token ids, the model that scores it): precompute's cache key."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
 SCHEDULES = ("released", "constant")  # --schedule of the training stages

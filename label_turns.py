@@ -202,16 +202,17 @@ class Scorer:
 
 def label(args, todo, critic_dirs, critic_settings, ref_name, policy_name, rng, pairs_out, state_log):
     """Sample, score and pair the candidates of every state in todo; one states.jsonl row per state."""
-    device = models.local_device()  # cuda:LOCAL_RANK under torchrun
     sampler = None
-    if args.agent_backend == "vllm":  # vLLM first, with its share of the GPU; the critics and pi_ref fit after it
+    if args.agent_backend == "vllm":  # vLLM first, with its share of the GPU; the critics and pi_ref fit after it.
+        # Nothing may ask torch about CUDA before the engine starts (not even torch.cuda.is_available()): that
+        # initialises the driver in this process, and a process forked from it can no longer use the GPU.
         from transformers import AutoConfig
         share = args.gpu_memory_utilization or gpu_share(models.gpu_total_bytes(), AutoConfig.from_pretrained(
             models.resolve_model(ref_name)), len(critic_dirs) + 1, args.max_batch_tokens, args.max_len)
         print(f"vLLM takes {share:.3f} of the GPU's memory", file=sys.stderr)
         sampler = models.make_sampler("vllm", policy_name, args.temperature, args.top_p, args.max_new_tokens, args.seed,
                                       gpu_memory_utilization=share, max_model_len=args.max_len)
-    scorer = Scorer(critic_dirs, critic_settings, ref_name, device, args)
+    scorer = Scorer(critic_dirs, critic_settings, ref_name, models.local_device(), args)  # cuda:LOCAL_RANK, or CPU
     sampler = sampler or models.make_sampler(args.agent_backend, policy_name, args.temperature, args.top_p,
                                              args.max_new_tokens, args.seed, args.agent_url, args.batch_size,
                                              loaded=scorer.ref if models.named_model(policy_name) == ref_name else None,

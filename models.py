@@ -435,17 +435,23 @@ def vllm_engine(model, seed, max_model_len, gpu_memory_utilization, env=None):
     """What this process's vLLM engine is given: (GPU environment, torchrun variables hidden while it
     starts, variables set while it starts, LLM kwargs). Under torchrun every rank runs its own engine on
     its own GPU (data parallel: the ranks hold different states); torchrun's variables are hidden while
-    the engine starts so that vLLM sets up a world of one process instead of joining torchrun's, and each
+    the engine starts so that vLLM sets up a world of one process instead of joining torchrun's, each
     rank's engine searches its own range of ports (VLLM_PORT), so that engines starting side by side never
-    pick the same free port. max_model_len bounds the KV cache vLLM plans for (else the model's full
-    context, 131k tokens for Llama-3.1)."""
+    pick the same free port, and keeps its own compile cache (VLLM_CACHE_ROOT): every engine is rank 0 of
+    its own world, so in one cache they would write the same files. The engine's workers start by spawn
+    (VLLM_WORKER_MULTIPROC_METHOD), never by fork: a forked worker fails once CUDA was touched in this process.
+    max_model_len bounds the KV cache vLLM plans for (else the model's full context, 131k tokens for Llama-3.1)."""
     env = os.environ if env is None else env
     hide = [k for k in TORCHRUN_ENV if k in env]
     first, width = int(env.get("VLLM_PORT", VLLM_PORTS[0])), VLLM_PORTS[1]
-    ports = {"VLLM_PORT": str(first + width * int(env["LOCAL_RANK"]))} if "LOCAL_RANK" in env else {}
+    setting = {"VLLM_WORKER_MULTIPROC_METHOD": env.get("VLLM_WORKER_MULTIPROC_METHOD", "spawn")}
+    if "LOCAL_RANK" in env:
+        rank = int(env["LOCAL_RANK"])
+        cache = env.get("VLLM_CACHE_ROOT") or str(Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm")
+        setting.update(VLLM_PORT=str(first + width * rank), VLLM_CACHE_ROOT=f"{cache}/rank{rank}")
     kwargs = {"model": resolve_model(model), "seed": seed, "max_model_len": max_model_len,
               "gpu_memory_utilization": gpu_memory_utilization, "tensor_parallel_size": 1}
-    return rank_gpu(env), hide, ports, kwargs
+    return rank_gpu(env), hide, setting, kwargs
 
 
 def token_prompts(tok, prompts):
@@ -461,12 +467,12 @@ class VLLMSampler(SeededRequests):
         from vllm import LLM  # optional dependency: requirements-gpu.txt
         self.tok, self.seed = load_tokenizer(model), seed
         self.kw = {"temperature": temperature, "top_p": top_p, "max_tokens": max_new_tokens}
-        _, hide, ports, kwargs = vllm_engine(model, seed, max_model_len, gpu_memory_utilization)
+        _, hide, setting, kwargs = vllm_engine(model, seed, max_model_len, gpu_memory_utilization)
         pin_gpu()
-        saved = {k: os.environ.get(k) for k in [*hide, *ports]}
+        saved = {k: os.environ.get(k) for k in [*hide, *setting]}
         for k in hide:
             del os.environ[k]
-        os.environ.update(ports)
+        os.environ.update(setting)
         try:
             self.llm = LLM(**kwargs)
         finally:

@@ -175,6 +175,7 @@ def main(args):
     for t in trajs:
         t["turns"] = colbench.agent_turns(t)
         t["seqs"] = common.tokenize_turns(tok, t["turns"], training_info(t["task"], args.no_training_info), args.max_len)
+    common.extra_rows([t["seqs"] for t in trajs], rank)
     # hold out the pairs of 10% of the tasks
     task_ids = sorted({c["task_id"] for c, _ in pairs})
     random.Random(args.seed).shuffle(task_ids)
@@ -191,9 +192,13 @@ def main(args):
                                    common.recompute(args.model, args.grad_ckpt, longest, world, device, args.train_layers),
                                    args.train_layers)
 
-    # pi_ref = the starting critic weights: its per-turn log-probs once, before any update
+    # pi_ref = the starting critic weights: its per-turn log-probs once, before any update, kept in
+    # OUTPUT_DIR/ref_logprobs by content: a resumed or rerun stage reads them instead of computing them again
     ref_fn = lambda m, t: common.turn_logprobs(m, t["seqs"], len(t["turns"]))[0].tolist()
-    for t, ref_sum in zip(trajs, common.precompute(critic, trajs, ref_fn, rank, world, lambda t: common.seq_forwards(t["seqs"]))):
+    scored_by = [models.resolve_model(args.model), str(models.compute_dtype(args.dtype, device))]
+    cache = (Path(args.output_dir) / "ref_logprobs", lambda t: common.content_key(scored_by, t["seqs"]))
+    for t, ref_sum in zip(trajs, common.precompute(critic, trajs, ref_fn, rank, world,
+                                                   lambda t: common.seq_forwards(t["seqs"]), cache=cache)):
         t["ref_sum"] = ref_sum
 
     def scores(m, pair):
@@ -248,7 +253,7 @@ def main(args):
                 loss = loss / len(batch)  # the step's gradient is the mean over the global batch
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0) + v
-            common.backward(critic, loss, world, j == len(plan) - 1, planned)
+            common.backward(critic, loss, world, planned)
         lr = args.lr * common.lr_factor(step, len(batches), args.schedule)
         grad_norm = common.optimizer_step(critic, opt, lr)
         sums, seconds = common.step_sums(sums, grad_norm), time.time() - t0

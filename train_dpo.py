@@ -152,6 +152,7 @@ def main(args):
         for side in ("chosen", "rejected"):
             if side in ex:
                 ex[side + "_seqs"] = common.tokenize_turns(tok, ex[side], max_len=args.max_len)
+    common.extra_rows([ex[side] for ex in examples for side in ("chosen_seqs", "rejected_seqs") if side in ex], rank)
     longest = max(common.padded_tokens(*(ex[side + "_seqs"] for side in ("chosen", "rejected") if side in ex))
                   for ex in examples)
     ckpt = common.recompute(args.model, args.grad_ckpt, longest, world, device, args.train_layers)
@@ -180,9 +181,12 @@ def main(args):
             m, [(ex[side + "_seqs"], len(ex[side])) for side in ("chosen", "rejected")]))  # one forward for the pair
         return logp_c, logp_r, n_c, sum(len(s[0]) for s in ex["chosen_seqs"] + ex["rejected_seqs"])
 
-    if args.mode != "sft":  # pi_ref log-probs once, with the starting weights
-        ref_fn = lambda m, ex: [x.item() for x in pair_logps(m, ex)[:2]]
-        for ex, (c, r) in zip(examples, common.precompute(model, examples, ref_fn, rank, world, forwards)):
+    if args.mode != "sft":  # pi_ref log-probs once, with the starting weights, kept in OUTPUT_DIR/ref_logprobs
+        ref_fn = lambda m, ex: [x.item() for x in pair_logps(m, ex)[:2]]  # by content: a rerun reads them
+        scored_by = [models.resolve_model(args.model), str(models.compute_dtype(args.dtype, device))]
+        key = lambda ex: common.content_key(scored_by, ex.get("shared") or [ex["chosen_seqs"], ex["rejected_seqs"]])
+        for ex, (c, r) in zip(examples, common.precompute(model, examples, ref_fn, rank, world, forwards,
+                                                          cache=(Path(args.output_dir) / "ref_logprobs", key))):
             ex["ref_chosen"], ex["ref_rejected"] = c, r
 
     def sft_loss(m, ex):
@@ -230,7 +234,7 @@ def main(args):
                 loss = loss / len(batch)  # the step's gradient is the mean over the global batch
                 for k, v in {"n": 1, **metrics}.items():
                     sums[k] = sums.get(k, 0) + v
-            common.backward(model, loss, world, j == len(plan) - 1, planned)
+            common.backward(model, loss, world, planned)
         lr = args.lr * common.lr_factor(step, len(batches), args.schedule)
         grad_norm = common.optimizer_step(model, opt, lr)
         sums = common.step_sums(sums, grad_norm)

@@ -379,16 +379,21 @@ def test_vllm_engine_of_rank_3_of_4_takes_its_own_gpu():
     one process, and max_model_len from --max_len; decided without a GPU or vLLM."""
     torchrun = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": "29500"}
-    gpu, hide, ports, kw = models.vllm_engine("meta-llama/Llama-3.1-8B-Instruct", 7, 16384, 0.5, env=dict(torchrun))
+    gpu, hide, setting, kw = models.vllm_engine("meta-llama/Llama-3.1-8B-Instruct", 7, 16384, 0.5,
+                                                env={**torchrun, "XDG_CACHE_HOME": "/c"})
     assert gpu == {"CUDA_VISIBLE_DEVICES": "3"}
     assert set(hide) == set(torchrun)  # vLLM must not join torchrun's world
     # engines starting side by side search disjoint port ranges (vLLM picks the first free port from VLLM_PORT)
     first = [int(models.vllm_engine("m", 0, 8, 0.5, env={**torchrun, "LOCAL_RANK": str(r)})[2]["VLLM_PORT"])
              for r in range(8)]
-    assert ports == {"VLLM_PORT": str(first[3])} and all(b - a >= models.VLLM_PORTS[1] for a, b in zip(first, first[1:]))
-    assert models.vllm_engine("m", 0, 8, 0.5, env={**torchrun, "VLLM_PORT": "40000"})[2] == {
-        "VLLM_PORT": str(40000 + 3 * models.VLLM_PORTS[1])}  # the user's VLLM_PORT is rank 0's
-    assert models.vllm_engine("m", 0, 8, 0.5, env={})[2] == {}  # one plain process: vLLM's own choice
+    # each engine is rank 0 of its own world: its own compile cache; workers by spawn, never by fork
+    assert setting == {"VLLM_PORT": str(first[3]), "VLLM_CACHE_ROOT": "/c/vllm/rank3", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    assert all(b - a >= models.VLLM_PORTS[1] for a, b in zip(first, first[1:]))
+    mine = models.vllm_engine("m", 0, 8, 0.5, env={**torchrun, "VLLM_PORT": "40000", "VLLM_CACHE_ROOT": "/v"})[2]
+    assert mine["VLLM_PORT"] == str(40000 + 3 * models.VLLM_PORTS[1])  # the user's VLLM_PORT is rank 0's
+    assert mine["VLLM_CACHE_ROOT"] == "/v/rank3"
+    # one plain process: vLLM's own port and cache
+    assert models.vllm_engine("m", 0, 8, 0.5, env={})[2] == {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     assert kw == {"model": "meta-llama/Llama-3.1-8B-Instruct", "seed": 7, "max_model_len": 16384,
                   "gpu_memory_utilization": 0.5, "tensor_parallel_size": 1}
     env = {**torchrun, "CUDA_VISIBLE_DEVICES": "4,5,6,7"}  # a job given GPUs 4-7: rank 3 takes the fourth

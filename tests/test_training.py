@@ -531,3 +531,59 @@ def test_lockstep_plan_pads_every_rank_to_the_most_forwards(tiny_model):
     model(input_ids=ids)
     with pytest.raises(RuntimeError, match="4 forwards where the lock-step plan had 3"):
         common.pad_forwards(model, 3, world=2)
+
+
+def test_reference_logprobs_are_read_back_not_recomputed(tiny_model, tmp_path):
+    """pi_ref's log-probs are kept in OUTPUT_DIR/ref_logprobs, keyed by content, as they are computed: a rerun or a
+    resume reads them back instead of running pi_ref over every pair again. Shown by rewriting the kept values:
+    the rerun's first step trains against the rewritten ones."""
+    tok = models.load_tokenizer(tiny_model)
+    rows = write_graded(tok, tmp_path / "g.jsonl", n_tasks=3)  # 3 pairs, 6 trajectories: 2 contents
+    for r in rows[2:4]:  # task 1's pair: a content of its own
+        r["dialogue_history"][-1]["output"] += " again"
+    (tmp_path / "g.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dpo = ["--mode", "trajectory", "--trajectories", tmp_path / "g.jsonl", "--model", tiny_model, "--output_dir",
+           tmp_path / "dpo", "--lr", "1e-3", "--batch_size", "3", "--beta", "0.1"]
+    run_script("train_dpo.py", *dpo)
+    first = read_jsonl(tmp_path / "dpo" / "log.jsonl")
+    kept = tmp_path / "dpo" / "ref_logprobs" / "rank0.jsonl"
+    rows = read_jsonl(kept)
+    assert len(rows) == 2 and len({r["key"] for r in rows}) == 2  # tasks 0 and 2 share one pair: scored once
+    kept.write_text("".join(json.dumps({"key": r["key"], "value": [r["value"][0] - 10.0, r["value"][1]]}) + "\n"
+                            for r in rows))  # pi_ref's chosen log-probs, 10 nats lower
+    again = run_script("train_dpo.py", *dpo)
+    assert "reference log-probs: 3 of 3 read from" in again.stdout and "0 to compute" in again.stdout
+    second = read_jsonl(tmp_path / "dpo" / "log.jsonl")
+    assert second[0]["rewards/chosen"] == pytest.approx(first[0]["rewards/chosen"] + 0.1 * 10.0, abs=1e-5)
+    assert second[0]["rewards/rejected"] == pytest.approx(first[0]["rewards/rejected"], abs=1e-6)
+    critic = ["--trajectories", tmp_path / "g.jsonl", "--model", tiny_model, "--output_dir", tmp_path / "critic",
+              "--lr", "1e-3", "--epochs", "1", "--heldout_fraction", "0"]
+    assert "0 of 6 read" in run_script("train_critic.py", *critic).stdout
+    assert len(read_jsonl(tmp_path / "critic" / "ref_logprobs" / "rank0.jsonl")) == 4
+    assert "6 of 6 read" in run_script("train_critic.py", *critic).stdout
+
+
+def test_a_template_that_trims_content_keeps_one_row(tok_model):
+    """Llama-3.1's chat template trims every message's content, so a stored output with white space at its ends
+    appears trimmed in the next input. The trajectory is still one row (not one a turn, each padded to the
+    longest): each turn is scored as the next input shows it, the last as stored, and the log-probs equal one
+    forward per turn on those texts. A template that drops earlier turns falls back to a row a turn, counted."""
+    import copy
+    tok, model = tok_model
+    trimming = copy.deepcopy(tok)
+    trimming.chat_template = trimming.chat_template.replace("{{ m['content'] }}", "{{ m['content'] | trim }}")
+    outputs = [" What factor?\n", "Is it 2? ", "  I WANT TO ANSWER: def f(x): return 2*x\n"]
+    traj = make_traj(trimming, TASK, outputs, ["Double it.", "I don't know."], 1.0)
+    turns = colbench.agent_turns(traj)
+    assert "<|im_start|>assistant\nWhat factor?<|im_end|>" in turns[1][0]  # trimmed where it is shown again
+    seqs = common.tokenize_turns(trimming, turns, "c: ")
+    assert len(seqs) == 1 and common.extra_rows([seqs]) == (0, 0)
+    shown = [(turns[0][0], outputs[0].strip()), (turns[1][0], outputs[1].strip()), turns[2]]
+    got, _ = common.turn_logprobs(model, seqs, 3)
+    assert got.tolist() == pytest.approx(naive_turn_logprobs(model, trimming, shown, "c: "), abs=1e-4)
+    forgetful = copy.deepcopy(tok)  # shows only the last user message: history rewritten
+    forgetful.chat_template = ("{% for m in messages[-1:] %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                               "{% endfor %}<|im_start|>assistant\n")
+    turns = colbench.agent_turns(make_traj(forgetful, TASK, outputs, ["Double it.", "I don't know."], 1.0))
+    seqs = common.tokenize_turns(forgetful, turns)
+    assert len(seqs) == 3 and common.extra_rows([seqs, seqs]) == (2, 4)

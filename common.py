@@ -633,16 +633,23 @@ def recompute(name, forced, tokens, world, device, train_layers=0):
 
 
 def needs_recompute(config, tokens, world, memory, train_layers=0):
-    """(need, room): whether the activations that backward keeps for a micro-batch of `tokens` tokens, in bf16,
-    exceed the room that 80% of a GPU's `memory` bytes leaves beside what training holds (shard_model, backward):
-    this rank's share of the fp32 weights, their gradients and AdamW's two moments (16 bytes a trained parameter,
-    4 a frozen one, over `world` ranks; the embeddings train unless train_layers freezes the bottom); the bf16
-    copies FSDP2 gathers (the root's embeddings and head, kept for the whole step, the layer at work, the next one
-    prefetched and the last one, kept after its forward); and the unsharded fp32 gradient of the largest unit
-    (a layer, or the embeddings), held until its reduce-scatter. Estimates from a Llama-style config: 16 * hidden
-    + 8 * intermediate bytes a token in each trained decoder layer (norm inputs, q/k/v, the attention output
-    under flash-attention, the MLP's gate, up and product), and bf16 logits of every token beside an fp32 chunk
-    of 1,024 rows (token_logprobs)."""
+    """(need, room): whether the activations that backward keeps for a micro-batch of `tokens` tokens exceed the
+    room that 80% of a GPU's `memory` bytes leaves beside what training holds (training_memory)."""
+    held, activations = training_memory(config, tokens, world, train_layers)
+    room = 0.8 * memory - held  # the rest: the allocator's slack, backward's transient buffers
+    return activations > room, room
+
+
+def training_memory(config, tokens, world, train_layers=0):
+    """(held, activations) in bytes on one rank, estimated from a Llama-style config. held: this rank's share of
+    the fp32 weights, their gradients and AdamW's two moments (16 bytes a trained parameter, 4 a frozen one,
+    over `world` ranks; the embeddings train unless train_layers freezes the bottom); the bf16 copies FSDP2
+    gathers (the root's embeddings and head, kept for the whole step, the layer at work, the next one prefetched
+    and the last one, kept after its forward); and the unsharded fp32 gradient of the largest unit (a layer, or
+    the embeddings), held until its reduce-scatter (backward). activations: what backward keeps for a micro-batch
+    of `tokens` tokens in bf16: 16 * hidden + 8 * intermediate bytes a token in each trained decoder layer (norm
+    inputs, q/k/v, the attention output under flash-attention, the MLP's gate, up and product), and bf16 logits
+    of every token beside an fp32 chunk of 1,024 rows (token_logprobs)."""
     h, inter, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
@@ -653,8 +660,7 @@ def needs_recompute(config, tokens, world, memory, train_layers=0):
     state = (16 * trained * layer + 4 * (layers - trained) * layer + (4 if train_layers else 16) * embed) / world
     gathered = 2 * (embed + 3 * layer) + 4 * (layer if train_layers else max(layer, embed))
     activations = tokens * (trained * (16 * h + 8 * inter) + 2 * vocab) + 1024 * vocab * 8
-    room = 0.8 * memory - state - gathered  # the rest: the allocator's slack, backward's transient buffers
-    return activations > room, room
+    return state + gathered, activations
 
 
 def training_model(name, world, device, dtype=None, grad_ckpt=False, train_layers=0):
@@ -687,6 +693,9 @@ def shard_model(model, world, device, dtype=None):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mixed = dtype is not None and dtype != next(model.parameters()).dtype
     mesh = init_device_mesh(device.type, (world,))
+    if mesh.get_rank() == 0:
+        print(f"FSDP2 over {world} rank{'s' * (world > 1)} ({torch.distributed.get_backend(mesh.get_group())}), compute in "
+              f"{str(dtype if mixed else next(model.parameters()).dtype).removeprefix('torch.')}", flush=True)
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
     layers = model.model.layers
     for i, layer in enumerate(layers):  # the last layer stays gathered after its forward: its backward comes next
@@ -1084,12 +1093,15 @@ class TrainingLog:
 
 
 def step_line(step, epoch, sums, seconds, extra=None):
-    """One log line from step_sums: metrics summed over the batch's examples (and ranks) -> means; tokens -> tokens/s."""
+    """One log line from step_sums: metrics summed over the batch's examples (and ranks) -> means; tokens -> tokens/s;
+    on a GPU, this rank's peak memory since the start (gpu_peak_gib)."""
     n = max(sums.pop("n", 0), 1)
     tokens = sums.pop("tokens", 0)
     grad_norm = sums.pop("grad_norm")
+    import torch
+    gpu = {"gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30} if torch.cuda.is_initialized() else {}
     return {"step": step, "epoch": epoch, **{k: v / n for k, v in sums.items()}, "grad_norm": grad_norm,
-            "tokens_per_s": tokens / seconds, "seconds": seconds, **(extra or {})}
+            "tokens_per_s": tokens / seconds, "seconds": seconds, **gpu, **(extra or {})}
 
 
 def tqdm_if(it, show, desc, total=None):

@@ -122,11 +122,10 @@ def load_model(name, device, grad_ckpt=False, dtype=None, train_layers=0, empty=
     decoder layers and the final norm, so the backward pass stops early (the embedded CPU run's
     deviation; 0 trains everything). empty: the parameters on the meta device, no memory and nothing
     read (the buffers are computed): common.training_model fills each rank's shards from rank 0's copy."""
-    import importlib.util
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    attn = "flash_attention_2" if device.type == "cuda" and importlib.util.find_spec("flash_attn") else "sdpa"
+    attn = attention(device)
     if empty:
         from accelerate import init_empty_weights
         with init_empty_weights(include_buffers=False):
@@ -145,6 +144,23 @@ def load_model(name, device, grad_ckpt=False, dtype=None, train_layers=0, empty=
         for m in [*model.model.layers[-train_layers:], model.model.norm]:
             m.requires_grad_(True)
     return model
+
+
+def attention(device):
+    """flash_attention_2 on a GPU where the flash-attn package is installed and imports, else SDPA: a wheel built
+    for another torch or CUDA fails at import (undefined symbol), and then the model is built with SDPA, said once."""
+    import importlib.util
+    if device.type != "cuda" or not importlib.util.find_spec("flash_attn"):
+        return "sdpa"
+    try:
+        import flash_attn  # noqa: F401
+        return "flash_attention_2"
+    except Exception as e:
+        if not getattr(attention, "said", False):
+            print(f"flash-attn is installed but does not load ({type(e).__name__}: {str(e)[:200]}); using SDPA",
+                  file=sys.stderr)
+            attention.said = True
+        return "sdpa"
 
 
 def seed_everything(seed):

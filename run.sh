@@ -20,7 +20,8 @@ PROMPT_DIR=${PROMPT_DIR:-} CLIP_MODEL=${CLIP_MODEL:-}  # prompt templates replac
 N_TRAIN=${N_TRAIN:-60} N_TEST=${N_TEST:-200} N_VAL=${N_VAL:-50} N_WARMUP=${N_WARMUP:-240}  # tasks (N_WARMUP=0: no warm-up)
 SAMPLES=${SAMPLES:-4} CANDIDATES=${CANDIDATES:-8}  # rollouts per train task; candidate turns per state (released: 3, 16)
 DATA_FRACTION=${DATA_FRACTION:-0.2}   # label_turns: share of train trajectories labelled (released: 0.1)
-MC_STATES=${MC_STATES:-12}            # labelled states whose candidates are valued by 16 continuations each (credit_accuracy; 0: none)
+MC_STATES=${MC_STATES:-$([ "${MODEL:-embedded}" = embedded ] && echo 12 || echo 0)}  # labelled states whose candidates
+# are valued by 16 continuations each (credit_accuracy; 0: none, the default at scale: ~400 dialogues of the 70B human)
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-96}  # longest agent turn
 LR_CRITIC=${LR_CRITIC:-1e-4} LR_DPO=${LR_DPO:-6e-6}  # released: 2e-7 both
 TRAIN_TRAJECTORIES=${TRAIN_TRAJECTORIES:-}  # trajectories in the released schema to train from, instead of train rollouts

@@ -108,3 +108,18 @@ def test_rollouts_start_vllm_before_any_cuda_query(vllm, tiny_model, task_files,
                               output=str(tmp_path / "traj.jsonl")))
     rows = [json.loads(line) for line in open(tmp_path / "traj.jsonl")]
     assert len(engines) == 1 and len(rows) == 2 and all(r["dialogue_history"][1]["role"] == "assistant" for r in rows)
+
+
+def test_a_flash_attention_wheel_that_does_not_load_falls_back_to_sdpa(tmp_path, monkeypatch, capsys):
+    """A flash-attn built for another torch is found but fails at import: the model is built with SDPA instead."""
+    (tmp_path / "flash_attn").mkdir()
+    (tmp_path / "flash_attn" / "__init__.py").write_text(
+        "raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    assert models.attention(torch.device("cuda", 0)) == "sdpa"
+    assert "does not load (ImportError: flash_attn_2_cuda.so: undefined symbol" in capsys.readouterr().err
+    (tmp_path / "flash_attn" / "__init__.py").write_text("")  # one that loads
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    assert models.attention(torch.device("cuda", 0)) == "flash_attention_2"
+    assert models.attention(torch.device("cpu")) == "sdpa"

@@ -121,7 +121,7 @@ def load_model(name, device, grad_ckpt=False, dtype=None, train_layers=0, empty=
     flash-attention 2 when installed, else SDPA. train_layers > 0 freezes all but the top train_layers
     decoder layers and the final norm, so the backward pass stops early (the embedded CPU run's
     deviation; 0 trains everything). empty: the parameters on the meta device, no memory and nothing
-    read (the buffers are computed): common.training_model fills each rank's shards from rank 0's copy."""
+    read (the buffers are computed): training.training_model fills each rank's shards from rank 0's copy."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)

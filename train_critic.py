@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 import colbench
 import common
 import models
+import training
 
 
 @dataclass
@@ -73,7 +73,7 @@ class Args:
     """float32 (the trained weights as they are) | bfloat16 (half the size, for serving: a weight whose
     whole update is below half a bf16 step rounds back to its starting value)"""
     grad_ckpt: bool = False
-    """activation checkpointing always; without it, on a GPU only where the longest pair would not fit (common.recompute)"""
+    """activation checkpointing always; without it, on a GPU only where the longest pair would not fit (training.recompute)"""
     save_minutes: float = 30.0
     """save the training state (model + optimizer) to OUTPUT_DIR/resume when this many minutes have passed since
     the last save (0: after every step; inf: never), written in the background while training goes on"""
@@ -119,7 +119,7 @@ def trajectory_score(logp_sum, ref_sum, count, beta, normalization="turn"):
 
 
 def critic_loss(score_chosen, score_rejected):
-    return -F.logsigmoid(score_chosen - score_rejected)  # L_critic = -log sigmoid(S(tau+) - S(tau-))
+    return common.bradley_terry(score_chosen, score_rejected)  # L_critic = -log sigmoid(S(tau+) - S(tau-))
 
 
 # The same A, as the stages after training read it (label_turns.py ranks candidates by it; view.py colours
@@ -155,15 +155,15 @@ def main(args):
     common.refuse(args.normalization not in ("turn", "trajectory") and "--normalization: choose turn or trajectory",
                   args.task_type not in ("code", "html") and f"--task_type {args.task_type}: choose code or html",
                   args.beta <= 0 and "--beta must be positive", args.lr <= 0 and "--lr must be positive",
-                  args.schedule not in common.SCHEDULES and f"--schedule {args.schedule}: choose released or constant",
+                  args.schedule not in training.SCHEDULES and f"--schedule {args.schedule}: choose released or constant",
                   args.epochs < 1 and "--epochs must be at least 1", args.batch_size < 1 and "--batch_size must be at least 1",
                   not 0 <= args.heldout_fraction < 1 and "--heldout_fraction must be in [0, 1)",
                   args.save_minutes < 0 and "--save_minutes must be >= 0",
-                  *common.report_problems(args.report_to), *models.precision_problems(args),
+                  *training.report_problems(args.report_to), *models.precision_problems(args),
                   args.resume and not Path(args.output_dir, "resume").exists() and not Path(args.output_dir, "resume.old").exists()
                   and f"--resume: nothing to resume in {args.output_dir}/resume")
     common.check_writable(args.output_dir.rstrip("/") + "/")
-    rank, world, device = common.init_distributed()
+    rank, world, device = training.init_distributed()
     torch.manual_seed(args.seed)
     tok = models.load_tokenizer(args.model)
     pairs = colbench.trajectory_pairs(colbench.load_graded(args.trajectories), args.task_type)
@@ -187,18 +187,18 @@ def main(args):
     if rank == 0:
         print(f"{len(pairs)} pairs from {len(task_ids)} tasks: {len(train_pairs)} train, {len(held_pairs)} held out", flush=True)
 
-    longest = max(common.padded_tokens(*(t["seqs"] for t in pair)) for pair in pairs)
-    critic = common.training_model(args.model, world, device, models.compute_dtype(args.dtype, device),
-                                   common.recompute(args.model, args.grad_ckpt, longest, world, device, args.train_layers),
+    longest = max(training.padded_tokens(*(t["seqs"] for t in pair)) for pair in pairs)
+    critic = training.training_model(args.model, world, device, models.compute_dtype(args.dtype, device),
+                                   training.recompute(args.model, args.grad_ckpt, longest, world, device, args.train_layers),
                                    args.train_layers)
 
     # pi_ref = the starting critic weights: its per-turn log-probs once, before any update, kept in
     # OUTPUT_DIR/ref_logprobs by content: a resumed or rerun stage reads them instead of computing them again
     ref_fn = lambda m, t: common.turn_logprobs(m, t["seqs"], len(t["turns"]))[0].tolist()
     scored_by = [models.resolve_model(args.model), str(models.compute_dtype(args.dtype, device))]
-    cache = (Path(args.output_dir) / "ref_logprobs", lambda t: common.content_key(scored_by, t["seqs"]))
-    for t, ref_sum in zip(trajs, common.precompute(critic, trajs, ref_fn, rank, world,
-                                                   lambda t: common.seq_forwards(t["seqs"]), cache=cache)):
+    cache = (Path(args.output_dir) / "ref_logprobs", lambda t: training.content_key(scored_by, t["seqs"]))
+    for t, ref_sum in zip(trajs, training.precompute(critic, trajs, ref_fn, rank, world,
+                                                   lambda t: training.seq_forwards(t["seqs"]), cache=cache)):
         t["ref_sum"] = ref_sum
 
     def scores(m, pair):
@@ -215,7 +215,7 @@ def main(args):
                       "tokens": sum(len(s[0]) for t in pair for s in t["seqs"])}  # tensors: no host sync
 
     def pair_forwards(pair):
-        return common.seq_forwards(*(t["seqs"] for t in pair))
+        return training.seq_forwards(*(t["seqs"] for t in pair))
 
     def pair_metrics(name, eval_pairs):
         """loss, acc and margin of the current critic on eval_pairs, without grad."""
@@ -225,43 +225,38 @@ def main(args):
         def margin(m, pair):
             s_c, s_r = scores(m, pair)
             return (s_c - s_r).item()
-        margins = torch.tensor(common.precompute(critic, eval_pairs, margin, rank, world, pair_forwards, f"{name} pairs"))
+        margins = torch.tensor(training.precompute(critic, eval_pairs, margin, rank, world, pair_forwards, f"{name} pairs"))
         critic.train()
-        return {f"{name}_loss": F.softplus(-margins).mean().item(), f"{name}_acc": (margins > 0).float().mean().item(),
-                f"{name}_margin": margins.mean().item()}
+        return {f"{name}_loss": critic_loss(margins, 0).mean().item(),
+                f"{name}_acc": (margins > 0).float().mean().item(), f"{name}_margin": margins.mean().item()}
 
     # ------------------------------------ the training loop ---------------------------------------
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     critic.train()
-    opt = common.make_optimizer(critic, args.lr, args.schedule)
+    opt = training.make_optimizer(critic, args.lr, args.schedule)
     order = {"batch_size": args.batch_size, "seed": args.seed, "epochs": args.epochs}  # what the data order depends on
-    start = common.load_training_state(critic, opt, out / "resume", order) if args.resume else 0
-    log = common.TrainingLog(out, start, rank, args.report_to, vars(args))
-    saves = common.Checkpointer(out / "resume", args.save_minutes, order, rank)
-    batches = common.batch_order(len(train_pairs), args.batch_size, args.epochs, args.seed)
+    start = training.load_training_state(critic, opt, out / "resume", order) if args.resume else 0
+    log = training.TrainingLog(out, start, rank, args.report_to, vars(args))
+    saves = training.Checkpointer(out / "resume", args.save_minutes, order, rank)
+    batches = training.batch_order(len(train_pairs), args.batch_size, args.epochs, args.seed)
     for step, (epoch, batch) in enumerate(batches, 1):
         if step <= start:
             continue  # done before the restart
         t0, sums = time.time(), dict.fromkeys(("n", "loss", "acc", "margin", "tokens"), 0)
-        shares, plan = common.lockstep_plan(batch, world, lambda i: pair_forwards(train_pairs[i]))
-        local = [train_pairs[i] for i in shares[rank]]  # this rank's share, one pair per micro-batch
-        for j, planned in enumerate(plan):
-            loss = None
-            if j < len(local):
-                loss, metrics = pair_loss(critic, local[j])
-                loss = loss / len(batch)  # the step's gradient is the mean over the global batch
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0) + v
-            common.backward(critic, loss, world, planned)
-        lr = args.lr * common.lr_factor(step, len(batches), args.schedule)
-        grad_norm = common.optimizer_step(critic, opt, lr)
-        sums, seconds = common.step_sums(sums, grad_norm), time.time() - t0
+        for pair in training.micro_batches(critic, [train_pairs[i] for i in batch], pair_forwards):  # this rank's
+            loss, metrics = pair_loss(critic, pair)
+            training.backward(critic, loss / len(batch))  # the step's gradient: the mean over the global batch
+            for k, v in metrics.items():
+                sums[k] += v
+        lr = args.lr * training.lr_factor(step, len(batches), args.schedule)
+        grad_norm = training.optimizer_step(critic, opt, lr)
+        sums, seconds = training.step_sums(sums, grad_norm), time.time() - t0
         held = {}
         if args.eval_every and step % args.eval_every == 0 and held_pairs:
             t1 = time.time()
             held = {**pair_metrics("heldout", held_sample), "heldout_seconds": time.time() - t1}
-        log.write(common.step_line(step, epoch, sums, seconds, {"lr": lr, **held}))
+        log.write(training.step_line(step, epoch, sums, seconds, {"lr": lr, **held}))
         saves.after_step(critic, opt, step, step == len(batches))
     saves.finish()
     log.close()
@@ -270,7 +265,7 @@ def main(args):
     if rank == 0:
         print("final " + " ".join(f"{k}={v:.4g}" for k, v in final.items()), flush=True)
         common.write_text(out / "final_metrics.json", json.dumps({"steps": len(log.history), **final}, indent=2))
-    common.save_checkpoint(critic, tok, args.output_dir, rank, args, getattr(torch, args.save_dtype))
+    training.save_checkpoint(critic, tok, args.output_dir, rank, args, getattr(torch, args.save_dtype))
     if rank == 0:
         print(f"saved {args.output_dir}")
 

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 import colbench
 import common
 import models
+import training
 
 
 @dataclass
@@ -66,7 +66,7 @@ class Args:
     whole update is below half a bf16 step rounds back to its starting value)"""
     grad_ckpt: bool = False
     """activation checkpointing always (less memory, ~30% slower); without it, on a GPU only where the longest pair
-    would not fit (common.recompute)"""
+    would not fit (training.recompute)"""
     save_minutes: float = 30.0
     """save the training state (model + optimizer) to OUTPUT_DIR/resume when this many minutes have passed since
     the last save (0: after every step; inf: never), written in the background while training goes on"""
@@ -87,11 +87,30 @@ class Args:
     out on validation tasks and keeps the best, the starting policy included: docs/curriculum.md)"""
 
 
+# ==================================== POLICY LOSS ==============================================
+# The whole policy objective of every mode is here. Inputs are log-probs summed over a side's agent tokens
+# (common.turn_logprobs or its fast path), pi_ref's computed once before training, and the chosen side's
+# token count. The actor never sees c.
 def dpo_loss(logp_c, logp_r, ref_c, ref_r, beta):
     """Sigmoid DPO on summed log-probs. Returns (loss per pair, reward of chosen, reward of rejected)."""
-    rewards_c = beta * (logp_c - ref_c)
+    rewards_c = beta * (logp_c - ref_c)  # implicit reward of a+: beta * [log pi(a+|o) - log pi_ref(a+|o)]
     rewards_r = beta * (logp_r - ref_r)
-    return -F.logsigmoid(rewards_c - rewards_r), rewards_c.detach(), rewards_r.detach()  # L_DPO
+    return common.bradley_terry(rewards_c, rewards_r), rewards_c.detach(), rewards_r.detach()  # L_DPO
+
+
+def policy_loss(logp_c, logp_r, ref_c, ref_r, n_c, beta, nll_coef):
+    """L_policy = L_DPO + lambda * NLL(a+) for one pair (turn-level, or multi-turn: every turn's tokens summed).
+    L_DPO compares log-probs summed over each side's tokens; the NLL is a per-token mean of the chosen side, so
+    lambda weighs it alike whatever the turn's length. Returns (loss, reward of chosen, of rejected, nll)."""
+    l_dpo, r_c, r_r = dpo_loss(logp_c, logp_r, ref_c, ref_r, beta)
+    nll = -logp_c / n_c.clamp(min=1)
+    return l_dpo + nll_coef * nll, r_c, r_r, nll.detach()
+
+
+def sft_loss(logp, n):
+    """Rejection fine-tuning and the embedded warm-up: the per-token mean NLL of a dialogue's agent turns."""
+    return -logp / n.clamp(min=1)
+# ===============================================================================================
 
 
 def snapshot_schedule(num_steps, n):
@@ -132,15 +151,15 @@ def main(args):
                   args.task_type not in ("code", "html") and f"--task_type {args.task_type}: choose code or html",
                   args.sft_on not in ("success", "all") and f"--sft_on {args.sft_on}: choose success or all",
                   args.beta <= 0 and "--beta must be positive", args.lr <= 0 and "--lr must be positive",
-                  args.schedule not in common.SCHEDULES and f"--schedule {args.schedule}: choose released or constant",
+                  args.schedule not in training.SCHEDULES and f"--schedule {args.schedule}: choose released or constant",
                   args.nll_coef < 0 and "--nll_coef must be >= 0", args.epochs <= 0 and "--epochs must be positive",
                   *models.precision_problems(args),
                   args.batch_size < 1 and "--batch_size must be at least 1", args.save_minutes < 0 and "--save_minutes must be >= 0",
-                  *common.report_problems(args.report_to),
+                  *training.report_problems(args.report_to),
                   args.resume and not Path(args.output_dir, "resume").exists() and not Path(args.output_dir, "resume.old").exists()
                   and f"--resume: nothing to resume in {args.output_dir}/resume")
     common.check_writable(args.output_dir.rstrip("/") + "/")
-    rank, world, device = common.init_distributed()
+    rank, world, device = training.init_distributed()
     torch.manual_seed(args.seed)
     tok = models.load_tokenizer(args.model)
     examples = build_examples(args)
@@ -153,13 +172,13 @@ def main(args):
             if side in ex:
                 ex[side + "_seqs"] = common.tokenize_turns(tok, ex[side], max_len=args.max_len)
     common.extra_rows([ex[side] for ex in examples for side in ("chosen_seqs", "rejected_seqs") if side in ex], rank)
-    longest = max(common.padded_tokens(*(ex[side + "_seqs"] for side in ("chosen", "rejected") if side in ex))
+    longest = max(training.padded_tokens(*(ex[side + "_seqs"] for side in ("chosen", "rejected") if side in ex))
                   for ex in examples)
-    ckpt = common.recompute(args.model, args.grad_ckpt, longest, world, device, args.train_layers)
+    ckpt = training.recompute(args.model, args.grad_ckpt, longest, world, device, args.train_layers)
     if args.mode == "turn" and not ckpt:  # the fast path needs a KV cache, so no checkpointing:
         for ex in examples:  # (prompt ids, [chosen ids, rejected ids]), the prompt run once per pair
             ex["shared"] = common.encode_shared(tok, "", ex["prompt"], [ex["chosen"][0][1], ex["rejected"][0][1]], args.max_len)
-    model = common.training_model(args.model, world, device, models.compute_dtype(args.dtype, device), ckpt, args.train_layers)
+    model = training.training_model(args.model, world, device, models.compute_dtype(args.dtype, device), ckpt, args.train_layers)
 
     def summed_logp(m, seqs, n_turns):
         total, count = common.turn_logprobs(m, seqs, n_turns)
@@ -168,8 +187,8 @@ def main(args):
     def forwards(ex):
         """The forwards loss_fn (and pi_ref's log-probs) run on one example."""
         if "shared" in ex:
-            return common.shared_forwards(ex["shared"][1])
-        return common.seq_forwards(*(ex[side + "_seqs"] for side in ("chosen", "rejected") if side + "_seqs" in ex))
+            return training.shared_forwards(ex["shared"][1])
+        return training.seq_forwards(*(ex[side + "_seqs"] for side in ("chosen", "rejected") if side + "_seqs" in ex))
 
     def pair_logps(m, ex):
         """logp(a+), logp(a-) (summed over turns), tokens of a+, and tokens forwarded, for one pair."""
@@ -184,29 +203,26 @@ def main(args):
     if args.mode != "sft":  # pi_ref log-probs once, with the starting weights, kept in OUTPUT_DIR/ref_logprobs
         ref_fn = lambda m, ex: [x.item() for x in pair_logps(m, ex)[:2]]  # by content: a rerun reads them
         scored_by = [models.resolve_model(args.model), str(models.compute_dtype(args.dtype, device))]
-        key = lambda ex: common.content_key(scored_by, ex.get("shared") or [ex["chosen_seqs"], ex["rejected_seqs"]])
-        for ex, (c, r) in zip(examples, common.precompute(model, examples, ref_fn, rank, world, forwards,
+        key = lambda ex: training.content_key(scored_by, ex.get("shared") or [ex["chosen_seqs"], ex["rejected_seqs"]])
+        for ex, (c, r) in zip(examples, training.precompute(model, examples, ref_fn, rank, world, forwards,
                                                           cache=(Path(args.output_dir) / "ref_logprobs", key))):
             ex["ref_chosen"], ex["ref_rejected"] = c, r
 
-    def sft_loss(m, ex):
-        """Rejection fine-tuning / warm-up: mean per-token NLL of the turns."""
-        logp, n = summed_logp(m, ex["chosen_seqs"], len(ex["chosen"]))
-        nll = -logp / n.clamp(min=1)
+    def sft_example_loss(m, ex):
+        """The loss of one dialogue (sft mode), and its metrics."""
+        nll = sft_loss(*summed_logp(m, ex["chosen_seqs"], len(ex["chosen"])))
         return nll, {"loss": nll.detach(), "nll": nll.detach(), "tokens": sum(len(s[0]) for s in ex["chosen_seqs"])}
 
     def dpo_pair_loss(m, ex):
-        """L_policy for one pair (turn or trajectory), with TRL's metric names."""
+        """The loss of one pair (turn or trajectory), and its metrics with TRL's names."""
         logp_c, logp_r, n_c, tokens = pair_logps(m, ex)
-        nll = -logp_c / n_c.clamp(min=1)  # mean per-token NLL of the chosen side
-        l_dpo, r_c, r_r = dpo_loss(logp_c, logp_r, torch.tensor(ex["ref_chosen"], device=device),
-                                   torch.tensor(ex["ref_rejected"], device=device), args.beta)
-        loss = l_dpo + args.nll_coef * nll  # L_policy = L_DPO + lambda * NLL(a+)
-        return loss, {"loss": loss.detach(), "rewards/chosen": r_c.detach(), "rewards/rejected": r_r.detach(),
-                      "rewards/margins": (r_c - r_r).detach(), "rewards/accuracies": (r_c > r_r).float(),
-                      "nll": nll.detach(), "tokens": tokens}  # tensors: no host sync
+        ref_c, ref_r = (torch.tensor(ex[k], device=device) for k in ("ref_chosen", "ref_rejected"))
+        loss, r_c, r_r, nll = policy_loss(logp_c, logp_r, ref_c, ref_r, n_c, args.beta, args.nll_coef)
+        return loss, {"loss": loss.detach(), "rewards/chosen": r_c, "rewards/rejected": r_r,
+                      "rewards/margins": r_c - r_r, "rewards/accuracies": (r_c > r_r).float(),
+                      "nll": nll, "tokens": tokens}  # tensors: no host sync
 
-    loss_fn = sft_loss if args.mode == "sft" else dpo_pair_loss
+    loss_fn = sft_example_loss if args.mode == "sft" else dpo_pair_loss
     keys = ["n", "loss", "nll", "tokens"] + (["rewards/chosen", "rewards/rejected", "rewards/margins",
                                               "rewards/accuracies"] if args.mode != "sft" else [])  # every rank's
 
@@ -214,37 +230,32 @@ def main(args):
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.train()
-    opt = common.make_optimizer(model, args.lr, args.schedule)
+    opt = training.make_optimizer(model, args.lr, args.schedule)
     order = {"batch_size": args.batch_size, "seed": args.seed, "epochs": args.epochs}  # what the data order depends on
-    start = common.load_training_state(model, opt, out / "resume", order) if args.resume else 0
-    log = common.TrainingLog(out, start, rank, args.report_to, vars(args))
-    saves = common.Checkpointer(out / "resume", args.save_minutes, order, rank)
-    batches = common.batch_order(len(examples), args.batch_size, args.epochs, args.seed)
+    start = training.load_training_state(model, opt, out / "resume", order) if args.resume else 0
+    log = training.TrainingLog(out, start, rank, args.report_to, vars(args))
+    saves = training.Checkpointer(out / "resume", args.save_minutes, order, rank)
+    batches = training.batch_order(len(examples), args.batch_size, args.epochs, args.seed)
     snapshot_steps = snapshot_schedule(len(batches), args.snapshots)
     for step, (epoch, batch) in enumerate(batches, 1):
         if step <= start:
             continue  # done before the restart
         t0, sums = time.time(), dict.fromkeys(keys, 0)
-        shares, plan = common.lockstep_plan(batch, world, lambda i: forwards(examples[i]))
-        local = [examples[i] for i in shares[rank]]  # this rank's share of the global batch
-        for j, planned in enumerate(plan):  # one example per micro-batch: memory holds one example's graph
-            loss = None
-            if j < len(local):
-                loss, metrics = loss_fn(model, local[j])
-                loss = loss / len(batch)  # the step's gradient is the mean over the global batch
-                for k, v in {"n": 1, **metrics}.items():
-                    sums[k] = sums.get(k, 0) + v
-            common.backward(model, loss, world, planned)
-        lr = args.lr * common.lr_factor(step, len(batches), args.schedule)
-        grad_norm = common.optimizer_step(model, opt, lr)
-        sums = common.step_sums(sums, grad_norm)
-        log.write(common.step_line(step, epoch, sums, time.time() - t0, {"lr": lr}))
+        for ex in training.micro_batches(model, [examples[i] for i in batch], forwards):  # this rank's share
+            loss, metrics = loss_fn(model, ex)  # one example a micro-batch: memory holds one example's graph
+            training.backward(model, loss / len(batch))  # the step's gradient: the mean over the global batch
+            for k, v in {"n": 1, **metrics}.items():
+                sums[k] += v
+        lr = args.lr * training.lr_factor(step, len(batches), args.schedule)
+        grad_norm = training.optimizer_step(model, opt, lr)
+        sums = training.step_sums(sums, grad_norm)
+        log.write(training.step_line(step, epoch, sums, time.time() - t0, {"lr": lr}))
         saves.after_step(model, opt, step, step == len(batches))
         if step in snapshot_steps and not (out / f"step-{step}" / "config.json").exists():
-            common.save_checkpoint(model, tok, out / f"step-{step}", rank, args, getattr(torch, args.save_dtype))
+            training.save_checkpoint(model, tok, out / f"step-{step}", rank, args, getattr(torch, args.save_dtype))
     saves.finish()
     log.close()
-    common.save_checkpoint(model, tok, args.output_dir, rank, args, getattr(torch, args.save_dtype))
+    training.save_checkpoint(model, tok, args.output_dir, rank, args, getattr(torch, args.save_dtype))
     if rank == 0:
         print(f"saved {args.output_dir}")
 

@@ -10,7 +10,7 @@ Checks, each printed PASS, FAIL or SKIP (the exit status is 1 if any fails); the
 and each stage's output to OUT/NAME.log:
 - critic: train_critic.py as plain `python` on the --shape model runs FSDP2 over a one-rank mesh (nccl), bf16
   compute over fp32 master weights, and at the paper's 2e-7 moves at least 90% of every trained weight matrix;
-  its peak memory (gpu_peak_gib) beside common.training_memory's estimate for the longest pair.
+  its peak memory (gpu_peak_gib) beside training.training_memory's estimate for the longest pair.
 - torchrun: the same stage under torchrun --nproc_per_node 1 (torchrun's rendezvous) gives the same losses.
 - resume: train_dpo.py (multi-turn DPO) saving its state after every step, killed after its first save and rerun
   with --resume: it ends at the same step count, and reads pi_ref's log-probs back instead of computing them.
@@ -146,9 +146,9 @@ if rc == 0:
     check("critic", f"FSDP2 over 1 rank ({backend})" in text and share > 0.9,
           f"{fsdp_line(text)}; {len(log)} steps at 2e-7, {share:.3f} of the trained weights moved, {secs} s")
     if gpu:
-        import common
+        import training
         from transformers import AutoConfig
-        held, acts = common.training_memory(AutoConfig.from_pretrained(big), 2 * longest, 1)
+        held, acts = training.training_memory(AutoConfig.from_pretrained(big), 2 * longest, 1)
         peak = max(r["gpu_peak_gib"] for r in log)
         estimate = (held + acts) / 2**30
         results["memory"] = {"peak_gib": peak, "estimate_gib": estimate, "pair_tokens": 2 * longest,

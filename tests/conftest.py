@@ -87,7 +87,7 @@ def read_jsonl(path):
 
 def saved_step(resume_dir):
     """The step of a training stage's last saved state (RESUME/meta.json), 0 before its first save. A save renames
-    the old state aside and the new one into place (common.save_training_state), so a poll between the two renames
+    the old state aside and the new one into place (training.save_training_state), so a poll between the two renames
     finds no file: it reads as 0 too, not as an error."""
     try:
         return json.loads((Path(resume_dir) / "meta.json").read_text())["step"]

@@ -72,7 +72,7 @@ def test_two_processes_match_one(tiny_model, tmp_path, script, extra):
 
 def test_ranks_with_uneven_work_stay_in_lock_step(tiny_model, tmp_path):
     """3 tasks on 2 ranks: one rank has a task (a pair, one forward) where the other has none, in the reference log-probs and in the step. Every rank pads its forwards to the
-    plan all ranks compute alike (common.lockstep_plan), so none waits in a collective the others never
+    plan all ranks compute alike (training.lockstep_plan), so none waits in a collective the others never
     reach (this hung before), and the run matches one process."""
     tok = models.load_tokenizer(tiny_model)
     write_graded(tok, tmp_path / "g.jsonl", n_tasks=3)
@@ -139,12 +139,12 @@ def test_two_processes_killed_and_resumed_match_one_uninterrupted(tiny_model, tm
 MATERIALISE = """
 import sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[2])
-import common, models
+import models, training
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 read, load = [], models.load_model
 models.load_model = lambda *a, **k: read.append(k.get("empty", False)) or load(*a, **k)
-rank, world, device = common.init_distributed()
-model = common.training_model(sys.argv[1], world, device, torch.float32, False, 1)
+rank, world, device = training.init_distributed()
+model = training.training_model(sys.argv[1], world, device, torch.float32, False, 1)
 full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 saved = load(sys.argv[1], device, dtype=torch.float32)
 assert read == ([True, False] if rank == 0 else [True]), read  # rank 1 never reads the weights whole
@@ -174,8 +174,8 @@ def test_ranks_build_the_model_empty_and_get_their_shards_from_rank_0(tmp_path):
 COLLECTIVES = """
 import inspect, json, pathlib, sys, torch.distributed as dist
 sys.path.insert(0, sys.argv[2])
-import common, train_dpo
-ours = {str(pathlib.Path(m.__file__).resolve()) for m in (common, train_dpo)}
+import common, train_dpo, training
+ours = {str(pathlib.Path(m.__file__).resolve()) for m in (common, train_dpo, training)}
 calls = []
 for name in ("all_reduce", "all_gather_object", "broadcast", "barrier", "all_gather"):
     real = getattr(dist, name)
@@ -216,20 +216,20 @@ def test_a_step_under_torchrun_makes_two_collectives_and_no_forward_messages(tin
 ACCUMULATION = """
 import os, sys, torch
 sys.path.insert(0, sys.argv[2])
-import common
-rank, world, device = common.init_distributed()
-model = common.training_model(sys.argv[1], world, device, torch.float32)
-opt = common.make_optimizer(model, 1e-4, "constant")
-ids = torch.randint(0, 500, (1, 32), generator=torch.Generator().manual_seed(rank))
+import common, training
+rank, world, device = training.init_distributed()
+model = training.training_model(sys.argv[1], world, device, torch.float32)
+opt = training.make_optimizer(model, 1e-4, "constant")
+examples = [torch.randint(0, 500, (1, 32), generator=torch.Generator().manual_seed(k)) for k in range(4 * world)]
 rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 grad = 4 * sum(p.numel() for p in model.parameters())  # the whole model's fp32 gradient
 held = []
 for micro in (1, 4, 4):  # micro-batches a step; the first step allocates the optimizer's state
     base = rss()
-    for j in range(micro):
-        common.backward(model, model(input_ids=ids, labels=ids).loss / micro, world, 1)
+    for ids in training.micro_batches(model, examples[:micro * world], lambda ids: 1):
+        training.backward(model, model(input_ids=ids, labels=ids).loss / micro)
         held.append((rss() - base) / grad)  # what the rank holds after each micro-batch, beyond the weights
-    common.optimizer_step(model, opt, 1e-4)
+    training.optimizer_step(model, opt, 1e-4)
 print("HELD", rank, world, held, flush=True)
 common.close_distributed()
 """

@@ -14,6 +14,7 @@ import models
 import label_turns
 import train_critic
 import train_dpo
+import training
 from conftest import read_jsonl, run_script
 
 
@@ -76,14 +77,14 @@ def test_one_forward_equals_per_turn_forwards(tok_model):
     assert total2.tolist() == pytest.approx(naive_turn_logprobs(model, tok, broken, prefix), abs=1e-5)
     # a trajectory costs one forward whatever its sequences, and so does a pair (rows of unequal length, padded and
     # masked), with the same numbers and gradients
-    counted = common.count_forwards(model)
+    counted = training.count_forwards(model)
     grads = []
     for together in (False, True):
         model.zero_grad()
         counted.forwards = 0
         parts = (common.trajectories_logprobs(model, [(seqs, len(turns)), (seqs2, len(turns))]) if together else
                  [common.turn_logprobs(model, s, len(turns)) for s in (seqs, seqs2)])
-        assert counted.forwards == (1 if together else 2) == (common.seq_forwards(seqs, seqs2) if together else 2)
+        assert counted.forwards == (1 if together else 2) == (training.seq_forwards(seqs, seqs2) if together else 2)
         assert [t.tolist() for t, _ in parts] == [pytest.approx(naive_turn_logprobs(model, tok, x, prefix), abs=1e-5)
                                                  for x in (turns, broken)]
         (parts[0][0].sum() - 2 * parts[1][0].sum()).backward()
@@ -341,7 +342,7 @@ def test_label_turns_then_dpo_modes(tiny_model, tmp_path):
                    "--output_dir", tmp_path / mode, "--lr", "1e-3", "--epochs", "2", "--batch_size", "2", "--snapshots", "1")
         log = read_jsonl(tmp_path / mode / "log.jsonl")
         assert len(log) == 4 and log[-1]["loss"] < log[0]["loss"]
-        assert [r["lr"] for r in log] == pytest.approx([1e-3 * common.lr_factor(k, 4, "released") for k in range(1, 5)])
+        assert [r["lr"] for r in log] == pytest.approx([1e-3 * training.lr_factor(k, 4, "released") for k in range(1, 5)])
         # --snapshots 1: the policy after step 2 of 4, a third point between pi_ref and the end
         weights = [dict(AutoModelForCausalLM.from_pretrained(d).named_parameters())
                    for d in (tiny_model, tmp_path / mode / "step-2", tmp_path / mode)]
@@ -350,9 +351,9 @@ def test_label_turns_then_dpo_modes(tiny_model, tmp_path):
         assert moved(weights[0], weights[1]) > 0 and moved(weights[1], weights[2]) > 0
     assert train_dpo.snapshot_schedule(53, 2) == [18, 35] and train_dpo.snapshot_schedule(1, 2) == []
     # --epochs 0.67 (run.sh html): the first 23 of a pass's 34 steps, in the whole pass's order
-    whole, part = common.batch_order(270, 8, 1, 0), common.batch_order(270, 8, 0.67, 0)
+    whole, part = training.batch_order(270, 8, 1, 0), training.batch_order(270, 8, 0.67, 0)
     assert len(whole) == 34 and part == whole[:23] and train_dpo.snapshot_schedule(len(part), 1) == [12]
-    assert len(common.batch_order(270, 8, 1.5, 0)) == 51 and len(common.batch_order(3, 8, 0.1, 0)) == 1
+    assert len(training.batch_order(270, 8, 1.5, 0)) == 51 and len(training.batch_order(3, 8, 0.1, 0)) == 1
 
 
 def test_nll_term_is_mean_chosen_nll(tok_model, tiny_model, tmp_path):
@@ -394,11 +395,11 @@ def test_training_state_survives_a_kill_between_renames(tmp_path):
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.AdamW(model.parameters())
     order = {"batch_size": 2, "seed": 0, "epochs": 1}
-    common.save_training_state(model, opt, tmp_path / "resume", 1, order, 0)
+    training.save_training_state(model, opt, tmp_path / "resume", 1, order, 0)
     shutil.copytree(tmp_path / "resume", tmp_path / "resume.old")
-    common.save_training_state(model, opt, tmp_path / "resume", 2, order, 0)
+    training.save_training_state(model, opt, tmp_path / "resume", 2, order, 0)
     assert not (tmp_path / "resume.old").exists()
-    assert common.load_training_state(model, opt, tmp_path / "resume", order) == 2
+    assert training.load_training_state(model, opt, tmp_path / "resume", order) == 2
 
 
 def test_saves_come_by_elapsed_time_in_the_background(tmp_path):
@@ -407,11 +408,11 @@ def test_saves_come_by_elapsed_time_in_the_background(tmp_path):
     model = torch.nn.Linear(200, 200)
     opt = torch.optim.AdamW(model.parameters())
     order = {"batch_size": 2, "seed": 0, "epochs": 1}
-    never = common.Checkpointer(tmp_path / "never" / "resume", float("inf"), order, 0)
+    never = training.Checkpointer(tmp_path / "never" / "resume", float("inf"), order, 0)
     (tmp_path / "never").mkdir()
     never.after_step(model, opt, 1, False)
     never.finish()
-    saves = common.Checkpointer(tmp_path / "resume", 0.01, order, 0)  # due 0.6 s after the start
+    saves = training.Checkpointer(tmp_path / "resume", 0.01, order, 0)  # due 0.6 s after the start
     saves.after_step(model, opt, 1, False)
     assert saves.pending is None and not (tmp_path / "never" / "resume").exists()
     saves.last -= 1.0  # the time is up
@@ -424,20 +425,20 @@ def test_saves_come_by_elapsed_time_in_the_background(tmp_path):
     saves.after_step(model, opt, 3, True)  # the last step: the final checkpoint follows, no resume state
     saves.finish()
     loaded = torch.nn.Linear(200, 200)
-    assert common.load_training_state(loaded, torch.optim.AdamW(loaded.parameters()), tmp_path / "resume", order) == 2
+    assert training.load_training_state(loaded, torch.optim.AdamW(loaded.parameters()), tmp_path / "resume", order) == 2
     assert torch.equal(loaded.weight, saved) and not torch.equal(saved, model.weight)
 
 
 def test_released_schedule_and_betas(tiny_model):
     """--schedule released: a linear warm-up over 3% of the steps, then a cosine to 0.1x at the last step, with
     AdamW betas (0.9, 0.95); constant: --lr throughout with AdamW's default betas."""
-    f = [common.lr_factor(k, 200, "released") for k in range(1, 201)]
+    f = [training.lr_factor(k, 200, "released") for k in range(1, 201)]
     assert f[:6] == pytest.approx([1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6, 1.0]) and f[-1] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(f[5:], f[6:])) and f[102] == pytest.approx(0.55, abs=0.01)
-    assert {common.lr_factor(k, 200, "constant") for k in range(1, 201)} == {1.0}
+    assert {training.lr_factor(k, 200, "constant") for k in range(1, 201)} == {1.0}
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
-    assert common.make_optimizer(model, 1e-3, "released").param_groups[0]["betas"] == (0.9, 0.95)
-    assert common.make_optimizer(model, 1e-3, "constant").param_groups[0]["betas"] == (0.9, 0.999)
+    assert training.make_optimizer(model, 1e-3, "released").param_groups[0]["betas"] == (0.9, 0.95)
+    assert training.make_optimizer(model, 1e-3, "constant").param_groups[0]["betas"] == (0.9, 0.999)
 
 
 def test_vllm_share_of_the_gpu_leaves_room_for_the_scoring_models():
@@ -463,13 +464,13 @@ def test_vllm_share_of_the_gpu_leaves_room_for_the_scoring_models():
 
 
 def test_a_training_step_syncs_the_host_once(tiny_model, tmp_path, monkeypatch):
-    """Metrics stay tensors on the device through a step and reach the host in one transfer (common.step_sums):
+    """Metrics stay tensors on the device through a step and reach the host in one transfer (training.step_sums):
     the project's own reads of a tensor's value (.item, .tolist, float, int, bool) grow by one per extra step."""
     import inspect
     import pathlib
     tok = models.load_tokenizer(tiny_model)
     write_graded(tok, tmp_path / "g.jsonl", n_tasks=8)
-    ours = {str(pathlib.Path(m.__file__).resolve()) for m in (common, models, train_critic, train_dpo)}
+    ours = {str(pathlib.Path(m.__file__).resolve()) for m in (common, models, train_critic, train_dpo, training)}
     reads = []
     for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
         real = getattr(torch.Tensor, name)
@@ -507,30 +508,30 @@ def test_activations_are_recomputed_only_where_memory_needs_it(tiny_model):
                           num_key_value_heads=8, vocab_size=128256)
     llama1b = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                           num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True)
-    need = lambda config, tokens, world, layers=0: common.needs_recompute(config, tokens, world, 80 * gib, layers)[0]
+    need = lambda config, tokens, world, layers=0: training.needs_recompute(config, tokens, world, 80 * gib, layers)[0]
     assert need(llama8b, 1, world=1)
     assert not need(llama8b, 2048, world=8) and need(llama8b, 16384, world=8)
     assert not need(llama1b, 16384, world=1)
-    room = lambda layers: common.needs_recompute(llama8b, 1, 1, 80 * gib, layers)[1]
+    room = lambda layers: training.needs_recompute(llama8b, 1, 1, 80 * gib, layers)[1]
     assert room(4) > room(16) > room(0)  # frozen layers hold no gradients or moments
     for forced in (False, True):
-        assert common.recompute(tiny_model, forced, 10 ** 9, 1, torch.device("cpu")) is forced
+        assert training.recompute(tiny_model, forced, 10 ** 9, 1, torch.device("cpu")) is forced
 
 
 def test_lockstep_plan_pads_every_rank_to_the_most_forwards(tiny_model):
     """Each micro-batch runs, on every rank, the most forwards any rank's example needs (at least one; a rank
     with no example left runs one); a loss that runs more than its plan says is stopped with the reason."""
-    shares, plan = common.lockstep_plan([0, 1, 2, 3, 4], 2, lambda i: [3, 1, 0, 2, 5][i])
+    shares, plan = training.lockstep_plan([0, 1, 2, 3, 4], 2, lambda i: [3, 1, 0, 2, 5][i])
     assert shares == [[0, 2, 4], [1, 3]] and plan == [3, 2, 5]
-    model = common.count_forwards(AutoModelForCausalLM.from_pretrained(tiny_model))
+    model = training.count_forwards(AutoModelForCausalLM.from_pretrained(tiny_model))
     ids = torch.tensor([[1, 2, 3]])
     model(input_ids=ids)
-    pad = common.pad_forwards(model, 3, world=2)  # two zero-weight forwards join the one run
+    pad = training.pad_forwards(model, 3, world=2)  # two zero-weight forwards join the one run
     assert model.forwards == 3 and pad.requires_grad and pad.item() == 0.0
-    assert common.pad_forwards(model, 3, world=1) is None  # one process: nothing to wait for
+    assert training.pad_forwards(model, 3, world=1) is None  # one process: nothing to wait for
     model(input_ids=ids)
     with pytest.raises(RuntimeError, match="4 forwards where the lock-step plan had 3"):
-        common.pad_forwards(model, 3, world=2)
+        training.pad_forwards(model, 3, world=2)
 
 
 def test_reference_logprobs_are_read_back_not_recomputed(tiny_model, tmp_path):

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from common import DataError, read_jsonl
 from render import extract_html, image_to_data_url  # frontend helpers used by the prompts
-from sandbox import grade_code  # the ground-truth turn class grades answers
 
 ANSWER_MARKER = "I WANT TO ANSWER:"
 HUMAN_MAX_CHARS = {"code": 400, "html": 1000}  # the paper's ColBench rules: the human's reply is cut to this length
@@ -273,21 +272,6 @@ def dialogue_outcome(row):
     return f"{'informed' if knows_every_fact(row['task'], d[:agent[-1]]) else 'hasty'}_{'pass' if row.get('success') else 'fail'}"
 
 
-def turn_class(task, dialogue, turn, last_turn=False, grade=None):
-    """Ground-truth credit of one candidate agent turn after `dialogue` (procedural code tasks with the
-    scripted human): 'good' for a question whose scripted reply reveals a fact not yet revealed, or
-    an answer whose code passes every test; 'bad' for a failing answer or a question that reveals
-    nothing new. A turn is an answer when it has the marker or is the dialogue's last allowed turn.
-    grade(code) -> success (default: grade_code in the sandbox)."""
-    if ANSWER_MARKER in turn or last_turn:
-        ok = grade(extract_answer(turn)) if grade else grade_code(task, extract_answer(turn))["success"]
-        return "good" if ok else "bad"
-    known = revealed_facts(task, dialogue)
-    reply = scripted_reply(task["hidden_information"], turn)
-    new = {f for f in hidden_facts(task) if f in reply} - known
-    return "good" if new else "bad"
-
-
 # ----------------------------------------------------------------------------------------------
 # Procedural frontend pages with hidden design facts (ours; generate_tasks.py). Each fact is one
 # sentence; the description states some, hidden_information the others, one a line. The scripted
@@ -361,19 +345,6 @@ def turn_kind(turn):
     if ANSWER_MARKER in turn:
         return "answer"
     return "draft" if extract_html(turn) else "question"
-
-
-def design_turn_class(task, dialogue, turn, last_turn, features_of):
-    """Ground-truth credit of a candidate turn on a procedural page (features_of(html) -> the render's
-    design features): an answer is good when its page matches every design fact; a question or a shown
-    draft is good when the human's reply reveals a hidden fact not yet revealed."""
-    page = extract_html(turn.split(ANSWER_MARKER, 1)[-1])
-    if ANSWER_MARKER in turn or last_turn:
-        return "good" if page and not design_mismatches(design_of(task), features_of(page)) else "bad"
-    reply = (draft_reply(task["hidden_information"], features_of(page), design_in(task["problem_description"])) if page
-             else scripted_reply(task["hidden_information"], turn))
-    new = {f for f in hidden_facts(task) if f in reply} - revealed_facts(task, dialogue)
-    return "good" if new else "bad"
 
 
 def parse_hidden_information(system_prompt):

@@ -218,7 +218,8 @@ def parse_args(cls, doc=None, argv=None):
             else:
                 p.add_argument(f"--{f.name}", action="store_true", help=h)
         else:
-            kind = {"int": int, "float": float, "str": str}.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
+            name = f.type if isinstance(f.type, str) else f.type.__name__
+            kind = {"int": int, "float": float, "str": str}.get(name, str)
             p.add_argument(f"--{f.name}", type=kind, required=required, default=None if required else f.default, help=h)
     return cls(**vars(p.parse_args(argv)))
 
@@ -316,8 +317,8 @@ class ChatClient:
             raise ServerError(f"tried GET {url}: HTTP {e.status}. This is not the root of an OpenAI-compatible "
                               f"server: give http://HOST:PORT or http://HOST:PORT/v1, nothing after it.") from None
         except ServerError as e:
-            raise ServerError(f"tried GET {url}: no answer ({e}). Check the URL (http://HOST:PORT, the server "
-                              f"adds /v1) or start the embedded human with `python simulator.py --port PORT`.") from None
+            raise ServerError(f"tried GET {url}: no answer ({e}). Check the URL (http://HOST:PORT, the server adds "
+                              f"/v1) or start the embedded human with `python simulator.py --port PORT`.") from None
         except (requests.RequestException, ValueError, KeyError, IndexError, TypeError) as e:
             raise ServerError(f"tried GET {url}: {type(e).__name__}: {e}. Give the URL of an OpenAI-compatible "
                               f"server as http://HOST:PORT (e.g. `python simulator.py` or `vllm serve`).") from None
@@ -408,8 +409,8 @@ def tokenize_turns(tokenizer, turns, prefix="", max_len=None):
     seqs.append((ids, turn_of))
     if max_len:  # keep c (the prefix) whole and the last tokens of the dialogue: the dialogue is cut, never c
         keep = max(max_len - len(pre), 1)
-        seqs = [(i[:len(pre)] + i[len(pre):][-keep:], o[:len(pre)] + o[len(pre):][-keep:]) if len(i) > max_len else (i, o)
-                for i, o in seqs]
+        cut = lambda x: x[:len(pre)] + x[len(pre):][-keep:]
+        seqs = [(cut(i), cut(o)) if len(i) > max_len else (i, o) for i, o in seqs]
     return seqs
 
 
@@ -497,7 +498,8 @@ def with_cache(model, cache):
     there and goes in 5.40); 5.19, the one vLLM pins, knows only `past_key_values`."""
     import inspect
     if type(model) not in _CACHE_NAME:
-        _CACHE_NAME[type(model)] = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        names = inspect.signature(model.forward).parameters
+        _CACHE_NAME[type(model)] = "cache" if "cache" in names else "past_key_values"
     return {_CACHE_NAME[type(model)]: cache}
 
 
@@ -561,8 +563,10 @@ def shared_prompt_logprobs(model, prompt_ids, conts, chunk=1024, max_tokens=None
     import torch
     from transformers import DynamicCache
     device = next(model.parameters()).device
-    out = model(input_ids=torch.tensor([prompt_ids], device=device), **with_cache(model, DynamicCache()), use_cache=True, logits_to_keep=1)
-    first = torch.log_softmax(out.logits[0, -1].float(), -1)[[c[0] for c in conts]]  # the prompt's last position predicts token 0
+    out = model(input_ids=torch.tensor([prompt_ids], device=device), **with_cache(model, DynamicCache()),
+                use_cache=True, logits_to_keep=1)
+    # the prompt's last position predicts each continuation's token 0
+    first = torch.log_softmax(out.logits[0, -1].float(), -1)[[c[0] for c in conts]]
     prompt_kv = [(layer.keys, layer.values) for layer in cache_of(out).layers]
     del out
     sums = list(first)

@@ -11,11 +11,17 @@ state-blind order of turn kinds on the same pairs (what a blanket preference ear
     python credit.py --pairs RUN/pairs.jsonl --trajectories RUN/train_graded.jsonl --max_turns 5
     python rollout.py --prefixes RUN/pairs.jsonl.mc.jsonl --output RUN/pairs.jsonl.mc_rollouts.jsonl ...
     python evaluate.py --input RUN/pairs.jsonl.mc_rollouts.jsonl --output RUN/pairs.jsonl.mc_graded.jsonl
-    (run.sh does these; label_turns.py and evaluate.py --credit then report them in PAIRS.credit.json)
+    python credit.py --pairs RUN/pairs.jsonl --trajectories RUN/train_graded.jsonl --max_turns 5   # again: the report
+
+A stage that no other imports. It reads label_turns.py's PAIRS.states.jsonl (every candidate and its advantage
+under every critic) and the trajectories, writes every candidate's true class to PAIRS.classes.jsonl (once; a
+rerun reuses them), the dialogues to continue to PAIRS.mc.jsonl (--states > 0, once), and the report to
+PAIRS.credit.json, with the Monte-Carlo values once PAIRS.mc_graded.jsonl exists. evaluate.py --credit and view.py
+read those files. (run.sh runs it after labelling, and again after the continuations are graded.)
 
 A diagnostic beside it, on procedural tasks, by kind of pair: the scripted human's facts give every
-candidate a true class (code: colbench.turn_class, a question that reveals an unknown fact or an
-answer that passes the tests is good; pages: colbench.design_turn_class), and **class_accuracy** scores
+candidate a true class (code: turn_class, a question that reveals an unknown fact or an
+answer that passes the tests is good; pages: design_turn_class), and **class_accuracy** scores
 a critic on every two candidates of a state whose classes differ, whether or not the reward orders them.
 """
 from __future__ import annotations
@@ -24,7 +30,6 @@ import itertools
 import json
 import math
 import random
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,11 +58,11 @@ class TrueClasses:
             self.pool.close()
 
     def __call__(self, traj, turn, candidates):
-        """Every candidate's true class (colbench.turn_class), or None where the task has no scripted facts."""
+        """Every candidate's true class (turn_class), or None where the task has no scripted facts."""
         task = traj["task"]
-        if task.get("hidden_information") and "test_cases" not in task and colbench.design_of(task):  # a procedural page
+        if task.get("hidden_information") and "test_cases" not in task and colbench.design_of(task):  # a page
             before = state_dialogue(traj, turn)
-            return [colbench.design_turn_class(task, before, c, turn >= self.max_turns - 1, self.page_features)
+            return [design_turn_class(task, before, c, turn >= self.max_turns - 1, self.page_features)
                     for c in candidates]
         if "family" not in task or "test_cases" not in task:
             return None
@@ -65,7 +70,37 @@ class TrueClasses:
             self.gt_results[task["task_id"]] = sandbox.run_calls(task["ground_truth"], list(task["test_cases"].items()))
         grade = lambda code: sandbox.grade_code(task, code, gt_results=self.gt_results[task["task_id"]])["success"]
         before = state_dialogue(traj, turn)
-        return [colbench.turn_class(task, before, c, turn >= self.max_turns - 1, grade) for c in candidates]
+        return [turn_class(task, before, c, turn >= self.max_turns - 1, grade) for c in candidates]
+
+
+def turn_class(task, dialogue, turn, last_turn=False, grade=None):
+    """Ground-truth credit of one candidate agent turn after `dialogue` (procedural code tasks with the
+    scripted human): 'good' for a question whose scripted reply reveals a fact not yet revealed, or
+    an answer whose code passes every test; 'bad' for a failing answer or a question that reveals
+    nothing new. A turn is an answer when it has the marker or is the dialogue's last allowed turn.
+    grade(code) -> success (default: grade_code in the sandbox)."""
+    if colbench.ANSWER_MARKER in turn or last_turn:
+        answer = colbench.extract_answer(turn)
+        ok = grade(answer) if grade else sandbox.grade_code(task, answer)["success"]
+        return "good" if ok else "bad"
+    known = colbench.revealed_facts(task, dialogue)
+    reply = colbench.scripted_reply(task["hidden_information"], turn)
+    new = {f for f in colbench.hidden_facts(task) if f in reply} - known
+    return "good" if new else "bad"
+
+
+def design_turn_class(task, dialogue, turn, last_turn, features_of):
+    """Ground-truth credit of a candidate turn on a procedural page (features_of(html) -> the render's
+    design features): an answer is good when its page matches every design fact; a question or a shown
+    draft is good when the human's reply reveals a hidden fact not yet revealed."""
+    page = colbench.extract_html(turn.split(colbench.ANSWER_MARKER, 1)[-1])
+    if colbench.ANSWER_MARKER in turn or last_turn:
+        return "good" if page and not colbench.design_mismatches(colbench.design_of(task), features_of(page)) else "bad"
+    hidden = task["hidden_information"]
+    reply = (colbench.draft_reply(hidden, features_of(page), colbench.design_in(task["problem_description"])) if page
+             else colbench.scripted_reply(hidden, turn))
+    new = {f for f in colbench.hidden_facts(task) if f in reply} - colbench.revealed_facts(task, dialogue)
+    return "good" if new else "bad"
 
 
 def state_dialogue(traj, turn):
@@ -119,7 +154,8 @@ def best_kind_order(kind_pairs):
     best = None
     for order in itertools.permutations(sorted({k for pair in kind_pairs for k in pair})) if kind_pairs else ():
         rank = {kind: -i for i, kind in enumerate(order)}
-        acc = sum(1.0 if rank[a] > rank[b] else 0.5 if rank[a] == rank[b] else 0.0 for a, b in kind_pairs) / len(kind_pairs)
+        hits = [1.0 if rank[a] > rank[b] else 0.5 if rank[a] == rank[b] else 0.0 for a, b in kind_pairs]
+        acc = sum(hits) / len(hits)
         if best is None or acc > best["accuracy"]:
             best = {"order": " > ".join(order), "accuracy": acc}
     return best
@@ -143,7 +179,8 @@ def accuracies(states, critics):
     out = {"class_accuracy": {}, "class_pairs": {}}
     for name in [*critics, "untrained"]:
         out["class_accuracy"][name], out["class_pairs"][name] = class_accuracy(states, name)
-    return {**out, "by_kind": {name: credit_by_kind(states, name) for name in critics}, "kind_order": kind_order(states)}
+    return {**out, "by_kind": {name: credit_by_kind(states, name) for name in critics},
+            "kind_order": kind_order(states)}
 
 
 def accuracy_line(acc):
@@ -152,7 +189,8 @@ def accuracy_line(acc):
 
 def classes_by_state(states):
     """{(task_id, sample, turn): {candidate text: true class}} for the states that have classes."""
-    return {(s["task_id"], s["sample"], s["turn"]): dict(zip(s["candidates"], s["classes"])) for s in states if s.get("classes")}
+    return {(s["task_id"], s["sample"], s["turn"]): dict(zip(s["candidates"], s["classes"]))
+            for s in states if s.get("classes")}
 
 
 def dpo_pair_classes(states, pairs):
@@ -168,34 +206,62 @@ def dpo_pair_classes(states, pairs):
     return counts
 
 
-def report(out_path, critics=None):
-    """Turn credit of every critic (names; default: all in the states file) on the labelled states of out_path
-    (label_turns' PAIRS), printed and written to PAIRS.credit.json: credit_accuracy on the pairs the reward decides
-    (once the Monte-Carlo continuations are graded, PAIRS.mc_graded.jsonl) and the class diagnostics. 'untrained' is
-    pi_ref itself as critic: its advantage is 0 for every turn."""
-    states = [r for _, r in common.read_jsonl(Path(f"{out_path}.states.jsonl"))] if Path(f"{out_path}.states.jsonl").exists() else []
-    for s in states:  # the untrained critic is pi_ref: log pi_ref - log pi_ref = 0 for every turn
-        if "advantages_by_critic" in s:
-            s["advantages_by_critic"]["untrained"] = [0.0] * len(s["candidates"])
-    if critics is None:
-        critics = list(dict.fromkeys(k for s in states for k in s.get("advantages_by_critic", {}) if k != "untrained"))
-    report = {"states": len(states), "states_with_classes": sum("classes" in s for s in states)}
+def labelled_states(pairs):
+    """PAIRS.states.jsonl's rows, each with its true classes from PAIRS.classes.jsonl (where the task has them)
+    and every critic's advantages ('sweet': the critic that labelled; 'untrained': pi_ref itself, 0 for every
+    turn, since log pi_ref - log pi_ref = 0)."""
+    path, classes = Path(f"{pairs}.states.jsonl"), Path(f"{pairs}.classes.jsonl")
+    states = [r for _, r in common.read_jsonl(path)] if path.exists() else []
+    known = {(r["task_id"], r["sample"], r["turn"]): r["classes"] for _, r in common.read_jsonl(classes, True)} \
+        if classes.exists() else {}
+    for s in states:
+        if known.get((s["task_id"], s["sample"], s["turn"])):
+            s["classes"] = known[(s["task_id"], s["sample"], s["turn"])]
+        s["advantages_by_critic"] = {"sweet": s["advantages"], **s.get("advantages_by_critic", {}),
+                                     "untrained": [0.0] * len(s["candidates"])}
+    return states
+
+
+def report(out_path):
+    """Turn credit of every critic on the labelled states of out_path (label_turns' PAIRS), printed and written to
+    PAIRS.credit.json (its "lines" as printed): credit_accuracy on the pairs the reward decides (once the
+    Monte-Carlo continuations are graded, PAIRS.mc_graded.jsonl) and the class diagnostics."""
+    states = labelled_states(out_path)
+    critics = list(dict.fromkeys(k for s in states for k in s["advantages_by_critic"] if k != "untrained"))
+    report = {"states": len(states), "states_with_classes": sum("classes" in s for s in states), "lines": []}
     if Path(mc_paths(out_path)[2]).exists():
         report.update(mc_report(states, mc_values(out_path), critics))
-        print(mc_line(report), file=sys.stderr)
+        report["lines"].append(mc_line(report))
     if report["states_with_classes"]:
         report.update(accuracies(states, critics))
         pairs = [r for _, r in common.read_jsonl(out_path)] if Path(out_path).exists() else []
         report["dpo_pairs"] = dpo_pair_classes(states, pairs)
-        print("diagnostic, class accuracy (candidates of different true classes): " +
-              accuracy_line(report["class_accuracy"]) + "; " + kind_order_line(report["kind_order"]), file=sys.stderr)
-        print("DPO pairs against the true classes: " + ", ".join(f"{k} {v}" for k, v in report["dpo_pairs"].items()),
-              file=sys.stderr)
-        for name, split in report["by_kind"].items():
-            print(f"  {name}: " + ", ".join(f"{k} {a:.3f} ({n})" for k, (a, n) in split.items()), file=sys.stderr)
-    if len(report) > 2:
-        common.write_text(f"{out_path}.credit.json", json.dumps(report, indent=2))
+        report["lines"] += [
+            "diagnostic, class accuracy (candidates of different true classes): "
+            + accuracy_line(report["class_accuracy"]) + "; " + kind_order_line(report["kind_order"]),
+            "DPO pairs against the true classes: " + ", ".join(f"{k} {v}" for k, v in report["dpo_pairs"].items()),
+            *(f"  {name}: " + ", ".join(f"{k} {a:.3f} ({n})" for k, (a, n) in split.items())
+              for name, split in report["by_kind"].items())]
+    print("\n".join(report["lines"]) or f"{out_path}: no turn credit to report (no classes, no graded values)")
+    common.write_text(f"{out_path}.credit.json", json.dumps(report, indent=2))
     return report
+
+
+def classify(pairs, trajectories, max_turns):
+    """Every labelled state's true classes (TrueClasses; null where the task has none) in PAIRS.classes.jsonl,
+    a row a state as it is done: a rerun classifies only the states still missing."""
+    key = lambda r: (r["task_id"], r["sample"], r["turn"])
+    out = common.ResumableWriter(Path(f"{pairs}.classes.jsonl"), key)
+    trajs = {(t["task_id"], t.get("sample", 0)): t for t in trajectories}
+    todo = [s for _, s in common.read_jsonl(f"{pairs}.states.jsonl") if not out.finished(key(s))]
+    truth = TrueClasses(max_turns)
+    for s in common.tqdm_if(todo, bool(todo), "true classes"):
+        if (s["task_id"], s["sample"]) not in trajs:
+            raise common.DataError(f"{pairs}.states.jsonl: state {key(s)} has no dialogue in --trajectories")
+        classes = truth(trajs[(s["task_id"], s["sample"])], s["turn"], s["candidates"])
+        out.write({"task_id": s["task_id"], "sample": s["sample"], "turn": s["turn"], "classes": classes})
+    truth.close()
+    out.close()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -220,7 +286,8 @@ def mc_prefixes(states, trajectories, args):
     random.Random(args.seed).shuffle(states)
     rows = []
     for s in states[: args.states]:
-        t, rng = trajs[(s["task_id"], s["sample"])], random.Random(f"{args.seed}/{s['task_id']}/{s['sample']}/{s['turn']}")
+        t = trajs[(s["task_id"], s["sample"])]
+        rng = random.Random(f"{args.seed}/{s['task_id']}/{s['sample']}/{s['turn']}")
         before, first = state_dialogue(t, s["turn"]), {}
         for ci, c in enumerate(s["candidates"]):
             first.setdefault(c, ci)
@@ -231,7 +298,8 @@ def mc_prefixes(states, trajectories, args):
             for _ in range(1 if ci in answers else args.continuations):
                 rows.append({"task": t["task"], "sample": len(rows), "mc_state": [s["task_id"], s["sample"], s["turn"]],
                              "mc_candidate": ci, "exact": ci in answers,
-                             "dialogue_history": before + [{"role": "assistant", "content": content, "output": stored}]})
+                             "dialogue_history": [*before, {"role": "assistant", "content": content,
+                                                            "output": stored}]})
     return rows
 
 
@@ -282,7 +350,8 @@ def mc_report(states, values, critics):
     hit = lambda adv, i, j: 1.0 if adv[i] > adv[j] else 0.5 if adv[i] == adv[j] else 0.0
     acc = {}
     for name in [*critics, "untrained"]:
-        adv = lambda s: [0.0] * len(s["candidates"]) if name == "untrained" else s.get("advantages_by_critic", {}).get(name)
+        adv = lambda s: ([0.0] * len(s["candidates"]) if name == "untrained"
+                         else s.get("advantages_by_critic", {}).get(name))
         hits = [hit(adv(by_key[k]), i, j) for k, i, j, _ in decided if adv(by_key[k]) is not None]
         acc[name] = sum(hits) / len(hits) if hits else None
     kind = lambda k, i: colbench.turn_kind(by_key[k]["candidates"][i])
@@ -299,7 +368,8 @@ def mc_line(r):
     """credit_accuracy with its ceiling and the state-blind baseline, in words."""
     if not r.get("credit_pairs"):
         return f"turn-credit accuracy: no pair of candidates the reward decides on {r.get('credit_states', 0)} states"
-    return (f"turn-credit accuracy on the {r['credit_pairs']} pairs the reward decides: {accuracy_line(r['credit_accuracy'])}"
+    return (f"turn-credit accuracy on the {r['credit_pairs']} pairs the reward decides: "
+            f"{accuracy_line(r['credit_accuracy'])}"
             f"\n  split-half agreement of the values (the ceiling) {r['credit_split_half']:.3f}; "
             + kind_order_line(r["credit_kind_order"]))
 
@@ -313,7 +383,7 @@ class Args:
     max_turns: int = 10
     """the rollouts' --max_turns: a candidate at the last turn is an answer"""
     states: int = 12
-    """labelled states to value (a fixed sample, drawn with --seed)"""
+    """labelled states to value by Monte Carlo (a fixed sample, drawn with --seed; 0: none)"""
     continuations: int = 16
     """dialogues after each non-answer candidate"""
     questions: int = 2
@@ -323,16 +393,17 @@ class Args:
 
 def main(args):
     common.refuse(args.continuations < 2 and "--continuations must be at least 2 (two halves)",
-                  args.states < 1 and "--states must be at least 1",
-                  not Path(f"{args.pairs}.states.jsonl").exists() and f"{args.pairs}.states.jsonl: not found (run label_turns.py)")
+                  args.states < 0 and "--states must be >= 0 (0: no Monte-Carlo values)",
+                  not Path(f"{args.pairs}.states.jsonl").exists()
+                  and f"{args.pairs}.states.jsonl: not found (run label_turns.py)")
+    trajectories = colbench.load_graded(args.trajectories)
+    classify(args.pairs, trajectories, args.max_turns)
     out = mc_paths(args.pairs)[0]
-    if Path(out).exists():
-        print(f"reusing {out}")
-        return
-    rows = mc_prefixes([r for _, r in common.read_jsonl(f"{args.pairs}.states.jsonl")],
-                       colbench.load_graded(args.trajectories), args)
-    common.write_jsonl(out, rows)  # empty when no labelled state has two distinct candidates: nothing to value
-    print(f"wrote {out}: {len(rows)} dialogues to continue or grade ({sum(r['exact'] for r in rows)} answers)")
+    if args.states and not Path(out).exists():
+        rows = mc_prefixes([r for _, r in common.read_jsonl(f"{args.pairs}.states.jsonl")], trajectories, args)
+        common.write_jsonl(out, rows)  # empty when no labelled state has two distinct candidates: nothing to value
+        print(f"wrote {out}: {len(rows)} dialogues to continue or grade ({sum(r['exact'] for r in rows)} answers)")
+    report(args.pairs)
 
 
 if __name__ == "__main__":

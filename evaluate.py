@@ -23,12 +23,12 @@ import sys
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 from tqdm import tqdm
 
 import colbench
 import common
-import credit
 import sandbox
 import render
 
@@ -64,7 +64,7 @@ class Args:
     policies: str = ""
     """with --compare: NAME=DIR,... the checkpoint each run used (recorded in the results)"""
     credit: str = ""
-    """with --compare: label_turns.py's PAIRS (its PAIRS.states.jsonl, merged shards too): turn-credit accuracy of each critic"""
+    """with --compare: label_turns.py's PAIRS: the turn credit of each critic from credit.py's PAIRS.credit.json"""
     bootstrap: int = 10000
     """with --compare: bootstrap resamples over tasks"""
     select: bool = False
@@ -273,10 +273,12 @@ def compare(args):
             if name in exact_task and base in exact_task:  # the similarity barely sees some design facts
                 e = [exact_task[name][t] - exact_task[base][t] for t in tasks]
                 paired[name].update(exact_design_diff=sum(e) / len(e), exact_design_ci95=bootstrap_ci(e, args.bootstrap))
-    if args.credit:
-        credit_report = credit.report(args.credit)  # on the pairs the reward decides, and the class diagnostic
-        res.update({k: credit_report[k] for k in ("credit_accuracy", "credit_pairs", "credit_states", "credit_split_half",
-                                                  "credit_kind_order", "class_accuracy") if k in credit_report})
+    credit_file = Path(f"{args.credit}.credit.json")
+    credit = json.loads(credit_file.read_text()) if args.credit and credit_file.exists() else {}
+    if args.credit and not credit:
+        print(f"{credit_file}: not found (credit.py writes it); no turn credit in the results", file=sys.stderr)
+    res.update({k: credit[k] for k in ("credit_accuracy", "credit_pairs", "credit_states", "credit_split_half",
+                                       "credit_kind_order", "class_accuracy") if k in credit})
     last = "exact design" if html else "tests passed"
     print(f"{'method':<16}{score:>11}{'95% interval':>18}{'vs ' + base:>14}{'95% interval':>18}{last:>14}"
           + (f"{'win rate':>10}{'95% interval':>16}" if html else ""))
@@ -311,10 +313,8 @@ def compare(args):
         print("where the dialogues ended: " + " / ".join(colbench.OUTCOMES))
         for name, o in outcomes.items():
             print(f"  {name:<16}" + " / ".join(str(o.get(k, 0)) for k in colbench.OUTCOMES))
-    if "credit_pairs" in res:
-        print(credit.mc_line(res))
-    if res.get("class_accuracy"):
-        print("  diagnostic, class accuracy: " + credit.accuracy_line(res["class_accuracy"]))
+    for line in credit.get("lines", []):  # turn credit, as credit.py said it
+        print(line)
     if args.select:  # max() keeps the first of equal values: the starting policy, then the least-trained snapshot
         best = max(res["methods"], key=lambda n: res["methods"][n][score])
         res["selected"], res["selected_policy"] = best, res["methods"][best]["policy"]

@@ -13,9 +13,9 @@ Writes: PAIRS JSONL, one pair a line (prompt, chosen, rejected, their advantages
 For each state o_t (the paper, arXiv 2503.15478, Sec. 4): sample N candidate turns a from the policy,
 score each with train_critic.candidate_advantages,
     A(a) = beta * mean over a's tokens of [log pi_critic(a | c, o_t) - log pi_ref(a | c, o_t)],
-and pair a candidate of the better half with one of the worse half, the largest gaps first. On
-procedural tasks every candidate's true class is stored too, with the advantages of the critics of
---credit_critics, for the turn-credit diagnostics (credit.py; PAIRS.credit.json).
+and pair a candidate of the better half with one of the worse half, the largest gaps first. With
+--credit_critics every candidate's advantage under each of those critics is stored too, for the
+turn-credit diagnostics (credit.py reads PAIRS.states.jsonl and writes PAIRS.credit.json).
 """
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ import torch
 import colbench
 import common
 import models
-import credit
 from train_critic import candidate_advantages, load_critic
 
 
@@ -67,7 +66,8 @@ class Args:
     """states whose candidates are sampled in one batch (hf: one padded batch of state_batch x N prompts)"""
     max_batch_tokens: int = 65536
     """hf sampling and scoring hold at most this many rows x (prompt + candidate) tokens of KV cache at once
-    (sub-batches), so memory stays bounded whatever the candidates and the prompt length (bench/bench_label_memory.py)"""
+    (sub-batches), so memory stays bounded whatever the candidates and the prompt length
+    (bench/bench_label_memory.py)"""
     seed: int = 0
     """sampling and pair drawing"""
     shard: str = ""
@@ -78,8 +78,6 @@ class Args:
     gpu_memory_utilization: float = 0.0
     """vllm backend: share of the GPU's memory vLLM may take (0: what the critics, pi_ref and their scoring batches
     of --max_batch_tokens leave of this GPU, gpu_share)"""
-    max_turns: int = 10
-    """the rollouts' turn limit (a candidate at the last turn is an answer, for the turn classes)"""
 
 
 def make_pairs(candidates, advantages, k, rng, cut=None):
@@ -129,7 +127,8 @@ def main(args):
                   not 0 < args.data_fraction <= 1 and "--data_fraction must be in (0, 1]",
                   args.state_batch < 1 and "--state_batch must be at least 1",
                   args.max_batch_tokens < 1 and "--max_batch_tokens must be positive",
-                  not 0 <= args.gpu_memory_utilization < 1 and "--gpu_memory_utilization must be in [0, 1) (0: from the GPU)",
+                  not 0 <= args.gpu_memory_utilization < 1
+                  and "--gpu_memory_utilization must be in [0, 1) (0: from the GPU)",
                   args.temperature <= 0 and "--temperature must be positive (greedy candidates are all the same)",
                   not 0 < args.top_p <= 1 and "--top_p must be in (0, 1]",
                   args.agent_backend not in ("hf", "openai", "vllm") and "--agent_backend: choose hf, openai or vllm",
@@ -167,7 +166,6 @@ def main(args):
         label(args, todo, critic_dirs, critic_settings, ref_name, policy_name, rng, pairs_out, state_log)
     pairs_out.close()
     state_log.close()
-    credit.report(out_path, list(critic_dirs))
     print(f"wrote {out_path}")
 
 
@@ -182,15 +180,13 @@ def load_critics(critic_dirs):
 
 class Scorer:
     """Every critic's advantage of a state's candidates (train_critic.candidate_advantages, each critic with
-    pi_ref on the same input) and, on procedural tasks, every candidate's true class (the diagnostics' ground
-    truth, credit.py, not the algorithm's)."""
+    pi_ref on the same input)."""
 
     def __init__(self, critic_dirs, critic_settings, ref_name, device, args):
         load = lambda name: models.load_model(name, device).eval()
         self.critics = {name: load(d) for name, d in critic_dirs.items()}
         self.ref, self.tok = load(ref_name), models.load_tokenizer(ref_name)
         self.settings, self.args = critic_settings, args
-        self.classes = credit.TrueClasses(args.max_turns)
 
     @torch.no_grad()
     def advantages(self, task, prompt, candidates):
@@ -225,10 +221,10 @@ def label(args, todo, critic_dirs, critic_settings, ref_name, policy_name, rng, 
         sampled = sampler.generate([prompt for _, _, prompt in chunk for _ in range(args.num_candidates)], keys)
         for j, state in enumerate(chunk):  # the policy never sees c
             mine = slice(j * args.num_candidates, (j + 1) * args.num_candidates)
-            label_state(state, sampled[mine], scorer, args.pairs_per_state, rng, pairs_out, state_log, sampler.cut[mine])
+            label_state(state, sampled[mine], scorer, args.pairs_per_state, rng, pairs_out, state_log,
+                        sampler.cut[mine])
             bar.update(1)
     bar.close()
-    scorer.classes.close()
 
 
 def label_state(state, candidates, scorer, pairs_per_state, rng, pairs_out, state_log, cut=None):
@@ -242,9 +238,7 @@ def label_state(state, candidates, scorer, pairs_per_state, rng, pairs_out, stat
         pairs_out.write({"prompt": prompt, "chosen": candidates[a], "rejected": candidates[b],
                          "chosen_advantage": advantage[a], "rejected_advantage": advantage[b], **base})
     row = {**base, "candidates": candidates, "advantages": advantage, **({"cut": list(cut)} if cut is not None else {})}
-    classes = scorer.classes(traj, turn, candidates)
-    if classes is not None:  # procedural task: every candidate's true class
-        row["classes"] = classes
+    if len(advantages) > 1:  # --credit_critics: every critic's, for credit.py
         row["advantages_by_critic"] = advantages
     state_log.write(row)
 

@@ -126,13 +126,15 @@ ABLATION=(); if [ -z "$TRAIN_TASKS" ]; then  # procedural tasks: the no-informat
   ABLATION=(--credit_critics "no_training_info=$RUN/critic_no_training_info"); fi
 sample "$RUN/pairs.jsonl" label_turns.py --trajectories "$G" --critic "$RUN/critic" --output "$RUN/pairs.jsonl" \
   --agent_backend "$AGENT_BACKEND" --num_candidates "$CANDIDATES" --pairs_per_state 4 --data_fraction "$DATA_FRACTION" \
-  --temperature 1.0 --max_new_tokens "$MAX_NEW_TOKENS" --max_turns "$TURNS" --seed "$SEED" "${ABLATION[@]}"
-if [ "$MC_STATES" -gt 0 ]; then MC=$RUN/pairs.jsonl.mc
-  log "turn credit the reward decides: the candidates of $MC_STATES labelled states valued by their continuations (credit.py)"
-  "$PY" credit.py --pairs "$RUN/pairs.jsonl" --trajectories "$G" --max_turns "$TURNS" --seed "$SEED" --states "$MC_STATES"
-  if [ -s "$MC.jsonl" ]; then rollout "$POLICY" "" "${MC}_rollouts.jsonl" --prefixes "$MC.jsonl"
-    [ -f "${MC}_graded.jsonl" ] || "$PY" evaluate.py --input "${MC}_rollouts.jsonl" --output "${MC}_graded.jsonl" \
-      --task_type "$TASK_TYPE" --clip_model "$CLIP_MODEL"; fi; fi
+  --temperature 1.0 --max_new_tokens "$MAX_NEW_TOKENS" --seed "$SEED" "${ABLATION[@]}"
+log "turn credit (credit.py): the labelled candidates' true classes, and those of $MC_STATES states valued by continuations"
+credit() { "$PY" credit.py --pairs "$RUN/pairs.jsonl" --trajectories "$G" --max_turns "$TURNS" --seed "$SEED" \
+  --states "$MC_STATES"; }
+credit; MC=$RUN/pairs.jsonl.mc
+if [ "$MC_STATES" -gt 0 ] && [ -s "$MC.jsonl" ]; then rollout "$POLICY" "" "${MC}_rollouts.jsonl" --prefixes "$MC.jsonl"
+  [ -f "${MC}_graded.jsonl" ] || "$PY" evaluate.py --input "${MC}_rollouts.jsonl" --output "${MC}_graded.jsonl" \
+    --task_type "$TASK_TYPE" --clip_model "$CLIP_MODEL"
+  credit; fi  # again: the report with the values
 dpo() { train "$RUN/policy_$1" train_dpo.py --model "$POLICY" --lr "$LR_DPO" --seed "$SEED" --task_type "$TASK_TYPE" \
   --train_layers "$TRAIN_LAYERS" $SNAP "${@:2}"; best_of "$1" "$RUN/policy_$1"; }
 dpo sweet --mode turn --pairs "$RUN/pairs.jsonl"; METHODS="zero_shot:$POLICY sweet_rl:$BEST"

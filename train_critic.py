@@ -73,7 +73,8 @@ class Args:
     """float32 (the trained weights as they are) | bfloat16 (half the size, for serving: a weight whose
     whole update is below half a bf16 step rounds back to its starting value)"""
     grad_ckpt: bool = False
-    """activation checkpointing always; without it, on a GPU only where the longest pair would not fit (training.recompute)"""
+    """activation checkpointing always; without it, on a GPU only where the longest pair would not fit
+    (training.recompute)"""
     save_minutes: float = 30.0
     """save the training state (model + optimizer) to OUTPUT_DIR/resume when this many minutes have passed since
     the last save (0: after every step; inf: never), written in the background while training goes on"""
@@ -136,7 +137,8 @@ def candidate_advantages(critic, ref, tok, settings, task, prompt, candidates, m
 def dialogue_advantages(critic, ref, tok, settings, traj, max_len):
     """A(o_t, a_t, c) of every agent turn of one trajectory: [n_turns]."""
     turns = colbench.agent_turns(traj)
-    seqs = common.tokenize_turns(tok, turns, training_info(traj["task"], settings.get("no_training_info", False)), max_len)
+    prefix = training_info(traj["task"], settings.get("no_training_info", False))
+    seqs = common.tokenize_turns(tok, turns, prefix, max_len)
     logp_sum, count = common.turn_logprobs(critic, seqs, len(turns))
     return turn_advantage(logp_sum, common.turn_logprobs(ref, seqs, len(turns))[0], count, settings["beta"])
 # ===============================================================================================
@@ -146,7 +148,8 @@ def load_critic(critic_dir):
     """(run_settings of a train_critic.py output, its pi_ref's name). A relative pi_ref path is read from the
     directory the critic was trained in."""
     path = Path(critic_dir) / "run_settings.json"
-    common.refuse(not path.exists() and f"critic {critic_dir}: no run_settings.json (expected a train_critic.py output directory)")
+    common.refuse(not path.exists()
+                  and f"critic {critic_dir}: no run_settings.json (expected a train_critic.py output directory)")
     settings = json.loads(path.read_text())
     return settings, models.named_model(settings["model"], settings)
 
@@ -154,14 +157,8 @@ def load_critic(critic_dir):
 def main(args):
     common.refuse(args.normalization not in ("turn", "trajectory") and "--normalization: choose turn or trajectory",
                   args.task_type not in ("code", "html") and f"--task_type {args.task_type}: choose code or html",
-                  args.beta <= 0 and "--beta must be positive", args.lr <= 0 and "--lr must be positive",
-                  args.schedule not in training.SCHEDULES and f"--schedule {args.schedule}: choose released or constant",
-                  args.epochs < 1 and "--epochs must be at least 1", args.batch_size < 1 and "--batch_size must be at least 1",
-                  not 0 <= args.heldout_fraction < 1 and "--heldout_fraction must be in [0, 1)",
-                  args.save_minutes < 0 and "--save_minutes must be >= 0",
-                  *training.report_problems(args.report_to), *models.precision_problems(args),
-                  args.resume and not Path(args.output_dir, "resume").exists() and not Path(args.output_dir, "resume.old").exists()
-                  and f"--resume: nothing to resume in {args.output_dir}/resume")
+                  args.beta <= 0 and "--beta must be positive", *training.argument_problems(args),
+                  not 0 <= args.heldout_fraction < 1 and "--heldout_fraction must be in [0, 1)")
     common.check_writable(args.output_dir.rstrip("/") + "/")
     rank, world, device = training.init_distributed()
     torch.manual_seed(args.seed)
@@ -174,7 +171,8 @@ def main(args):
     trajs = list({id(t): t for pair in pairs for t in pair}.values())
     for t in trajs:
         t["turns"] = colbench.agent_turns(t)
-        t["seqs"] = common.tokenize_turns(tok, t["turns"], training_info(t["task"], args.no_training_info), args.max_len)
+        prefix = training_info(t["task"], args.no_training_info)
+        t["seqs"] = common.tokenize_turns(tok, t["turns"], prefix, args.max_len)
     common.extra_rows([t["seqs"] for t in trajs], rank)
     # hold out the pairs of 10% of the tasks
     task_ids = sorted({c["task_id"] for c, _ in pairs})
@@ -185,12 +183,13 @@ def main(args):
     held_pairs = [p for p in pairs if p[0]["task_id"] in held]
     held_sample = random.Random(args.seed).sample(held_pairs, min(HELDOUT_SAMPLE, len(held_pairs)))
     if rank == 0:
-        print(f"{len(pairs)} pairs from {len(task_ids)} tasks: {len(train_pairs)} train, {len(held_pairs)} held out", flush=True)
+        print(f"{len(pairs)} pairs from {len(task_ids)} tasks: {len(train_pairs)} train, {len(held_pairs)} held out",
+              flush=True)
 
     longest = max(training.padded_tokens(*(t["seqs"] for t in pair)) for pair in pairs)
-    critic = training.training_model(args.model, world, device, models.compute_dtype(args.dtype, device),
-                                   training.recompute(args.model, args.grad_ckpt, longest, world, device, args.train_layers),
-                                   args.train_layers)
+    ckpt = training.recompute(args.model, args.grad_ckpt, longest, world, device, args.train_layers)
+    critic = training.training_model(args.model, world, device, models.compute_dtype(args.dtype, device), ckpt,
+                                     args.train_layers)
 
     # pi_ref = the starting critic weights: its per-turn log-probs once, before any update, kept in
     # OUTPUT_DIR/ref_logprobs by content: a resumed or rerun stage reads them instead of computing them again
@@ -205,7 +204,8 @@ def main(args):
         """S(tau+), S(tau-): the critic's score of each trajectory of a pair (equation 2's argument), in one forward."""
         return [trajectory_score(logp_sum, torch.tensor(t["ref_sum"], device=logp_sum.device), count, args.beta,
                                  args.normalization)
-                for t, (logp_sum, count) in zip(pair, common.trajectories_logprobs(m, [(t["seqs"], len(t["turns"])) for t in pair]))]
+                for t, (logp_sum, count) in zip(pair, common.trajectories_logprobs(
+                    m, [(t["seqs"], len(t["turns"])) for t in pair]))]
 
     def pair_loss(m, pair):
         """The loss of one pair (chosen, rejected), and its metrics."""
@@ -225,7 +225,8 @@ def main(args):
         def margin(m, pair):
             s_c, s_r = scores(m, pair)
             return (s_c - s_r).item()
-        margins = torch.tensor(training.precompute(critic, eval_pairs, margin, rank, world, pair_forwards, f"{name} pairs"))
+        margins = training.precompute(critic, eval_pairs, margin, rank, world, pair_forwards, f"{name} pairs")
+        margins = torch.tensor(margins)
         critic.train()
         return {f"{name}_loss": critic_loss(margins, 0).mean().item(),
                 f"{name}_acc": (margins > 0).float().mean().item(), f"{name}_margin": margins.mean().item()}
@@ -261,7 +262,8 @@ def main(args):
     saves.finish()
     log.close()
 
-    final = {**(pair_metrics("train", train_pairs) if args.train_metrics else {}), **pair_metrics("heldout", held_pairs)}
+    final = {**(pair_metrics("train", train_pairs) if args.train_metrics else {}),
+             **pair_metrics("heldout", held_pairs)}
     if rank == 0:
         print("final " + " ".join(f"{k}={v:.4g}" for k, v in final.items()), flush=True)
         common.write_text(out / "final_metrics.json", json.dumps({"steps": len(log.history), **final}, indent=2))

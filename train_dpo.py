@@ -73,7 +73,8 @@ class Args:
     resume: bool = False
     """continue from OUTPUT_DIR/resume (same --batch_size, --seed, --epochs) instead of starting over"""
     sft_on: str = "success"
-    """sft mode: success (rejection fine-tuning: successful dialogues only) | all (every dialogue: the embedded warm-up)"""
+    """sft mode: success (rejection fine-tuning: successful dialogues only) | all (every dialogue: the embedded
+    warm-up)"""
     report_to: str = ""
     """tensorboard | wandb | tensorboard,wandb: also send the step lines' numbers there (OUTPUT_DIR/tensorboard;
     a W&B run, WANDB_MODE=offline to keep it local; requirements: tensorboard, wandb)"""
@@ -125,9 +126,10 @@ def build_examples(args):
         for line, r in rows:
             for f in ("prompt", "chosen", "rejected"):
                 if not isinstance(r.get(f), str):
-                    raise common.DataError(f"{args.pairs}:{line}: '{f}' must be a string (expected label_turns.py output)")
-        return [{"prompt": r["prompt"], "chosen": [(r["prompt"], r["chosen"])], "rejected": [(r["prompt"], r["rejected"])]}
-                for _, r in rows]
+                    raise common.DataError(f"{args.pairs}:{line}: '{f}' must be a string "
+                                           f"(expected label_turns.py output)")
+        return [{"prompt": r["prompt"], "chosen": [(r["prompt"], r["chosen"])],
+                 "rejected": [(r["prompt"], r["rejected"])]} for _, r in rows]
     graded = colbench.load_graded(args.trajectories)
     if args.mode == "trajectory":
         return [{"chosen": colbench.agent_turns(c), "rejected": colbench.agent_turns(r)}
@@ -143,21 +145,17 @@ def build_examples(args):
 
 
 def main(args):
-    common.refuse(args.mode not in ("turn", "trajectory", "sft") and f"--mode {args.mode}: choose turn, trajectory or sft",
+    sequences = args.mode in ("trajectory", "sft")
+    common.refuse(args.mode not in ("turn", "trajectory", "sft")
+                  and f"--mode {args.mode}: choose turn, trajectory or sft",
                   args.mode == "turn" and not args.pairs and "--mode turn needs --pairs (label_turns.py output)",
-                  args.mode in ("trajectory", "sft") and not args.trajectories and f"--mode {args.mode} needs --trajectories",
-                  args.mode == "turn" and args.trajectories and "--trajectories is for --mode trajectory/sft; turn uses --pairs",
+                  sequences and not args.trajectories and f"--mode {args.mode} needs --trajectories",
+                  args.mode == "turn" and args.trajectories and "--trajectories is for --mode trajectory/sft",
                   args.mode != "turn" and args.pairs and "--pairs is for --mode turn",
                   args.task_type not in ("code", "html") and f"--task_type {args.task_type}: choose code or html",
                   args.sft_on not in ("success", "all") and f"--sft_on {args.sft_on}: choose success or all",
-                  args.beta <= 0 and "--beta must be positive", args.lr <= 0 and "--lr must be positive",
-                  args.schedule not in training.SCHEDULES and f"--schedule {args.schedule}: choose released or constant",
-                  args.nll_coef < 0 and "--nll_coef must be >= 0", args.epochs <= 0 and "--epochs must be positive",
-                  *models.precision_problems(args),
-                  args.batch_size < 1 and "--batch_size must be at least 1", args.save_minutes < 0 and "--save_minutes must be >= 0",
-                  *training.report_problems(args.report_to),
-                  args.resume and not Path(args.output_dir, "resume").exists() and not Path(args.output_dir, "resume.old").exists()
-                  and f"--resume: nothing to resume in {args.output_dir}/resume")
+                  args.beta <= 0 and "--beta must be positive", args.nll_coef < 0 and "--nll_coef must be >= 0",
+                  *training.argument_problems(args))
     common.check_writable(args.output_dir.rstrip("/") + "/")
     rank, world, device = training.init_distributed()
     torch.manual_seed(args.seed)
@@ -177,8 +175,10 @@ def main(args):
     ckpt = training.recompute(args.model, args.grad_ckpt, longest, world, device, args.train_layers)
     if args.mode == "turn" and not ckpt:  # the fast path needs a KV cache, so no checkpointing:
         for ex in examples:  # (prompt ids, [chosen ids, rejected ids]), the prompt run once per pair
-            ex["shared"] = common.encode_shared(tok, "", ex["prompt"], [ex["chosen"][0][1], ex["rejected"][0][1]], args.max_len)
-    model = training.training_model(args.model, world, device, models.compute_dtype(args.dtype, device), ckpt, args.train_layers)
+            turns = [ex["chosen"][0][1], ex["rejected"][0][1]]
+            ex["shared"] = common.encode_shared(tok, "", ex["prompt"], turns, args.max_len)
+    model = training.training_model(args.model, world, device, models.compute_dtype(args.dtype, device), ckpt,
+                                    args.train_layers)
 
     def summed_logp(m, seqs, n_turns):
         total, count = common.turn_logprobs(m, seqs, n_turns)

@@ -49,7 +49,8 @@ def recompute(name, forced, tokens, world, device, train_layers=0):
     if forced or device.type != "cuda":
         return forced
     config = AutoConfig.from_pretrained(models.resolve_model(name))
-    need, fits = needs_recompute(config, tokens, world, torch.cuda.get_device_properties(device).total_memory, train_layers)
+    memory = torch.cuda.get_device_properties(device).total_memory
+    need, fits = needs_recompute(config, tokens, world, memory, train_layers)
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"activation checkpointing {'on' if need else 'off'}: the longest micro-batch ({tokens} tokens) "
               f"{'needs more than' if need else 'fits in'} {fits / 2**30:.1f} GiB without it", flush=True)
@@ -96,7 +97,9 @@ def training_model(name, world, device, dtype=None, grad_ckpt=False, train_layer
     model = models.load_model(name, device, grad_ckpt, torch.float32, train_layers, empty=True)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     buffers = dict(model.named_buffers())  # computed, not read (rotary frequencies): to_empty would lose them
-    full = models.load_model(name, torch.device("cpu"), dtype=torch.float32).state_dict() if dist.get_rank() == 0 else {}
+    full = {}
+    if dist.get_rank() == 0:
+        full = models.load_model(name, torch.device("cpu"), dtype=torch.float32).state_dict()
     model = shard_model(model, world, device, dtype)
     model.to_empty(device=device)
     with torch.no_grad():
@@ -117,8 +120,9 @@ def shard_model(model, world, device, dtype=None):
     mixed = dtype is not None and dtype != next(model.parameters()).dtype
     mesh = init_device_mesh(device.type, (world,))
     if mesh.get_rank() == 0:
-        print(f"FSDP2 over {world} rank{'s' * (world > 1)} ({torch.distributed.get_backend(mesh.get_group())}), compute in "
-              f"{str(dtype if mixed else next(model.parameters()).dtype).removeprefix('torch.')}", flush=True)
+        backend = torch.distributed.get_backend(mesh.get_group())
+        compute = str(dtype if mixed else next(model.parameters()).dtype).removeprefix("torch.")
+        print(f"FSDP2 over {world} rank{'s' * (world > 1)} ({backend}), compute in {compute}", flush=True)
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
     layers = model.model.layers
     for i, layer in enumerate(layers):  # the last layer stays gathered after its forward: its backward comes next
@@ -302,7 +306,8 @@ def dummy_forwards(model, n):
     device = next(model.parameters()).device
     out = torch.zeros((), device=device)
     for _ in range(int(n)):
-        out = out + 0.0 * model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), logits_to_keep=1).logits.sum()
+        logits = model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), logits_to_keep=1).logits
+        out = out + 0.0 * logits.sum()
     return out
 
 
@@ -390,7 +395,8 @@ def precompute(model, items, fn, rank, world, forwards, desc="reference log-prob
     if cache:
         folder, key = Path(cache[0]), cache[1]
         keys = [key(x) for x in items]
-        known = {r["key"]: r["value"] for f in sorted(folder.glob("rank*.jsonl")) for _, r in common.read_jsonl(f, True)}
+        rows = (r for f in sorted(folder.glob("rank*.jsonl")) for _, r in common.read_jsonl(f, True))
+        known = {r["key"]: r["value"] for r in rows}
         barrier()  # every rank has read before any rank appends
         results = {i: known[k] for i, k in enumerate(keys) if k in known}
         todo = list({keys[i]: i for i in reversed(todo) if i not in results}.values())[::-1]  # one item a key
@@ -474,6 +480,19 @@ def batch_order(n, batch_size, epochs, seed):
         rng.shuffle(order)
         out += [(epoch, order[b:b + batch_size]) for b in range(0, n, batch_size)]
     return out[:max(1, round(len(out) * epochs / passes))]
+
+
+def argument_problems(args):
+    """refuse()'s checks of the settings both trainers have: the optimizer's, the precision, the trackers, resume."""
+    out = Path(args.output_dir)
+    return [args.lr <= 0 and "--lr must be positive",
+            args.schedule not in SCHEDULES and f"--schedule {args.schedule}: choose released or constant",
+            args.epochs <= 0 and "--epochs must be positive",
+            args.batch_size < 1 and "--batch_size must be at least 1",
+            args.save_minutes < 0 and "--save_minutes must be >= 0",
+            *models.precision_problems(args), *report_problems(args.report_to),
+            args.resume and not (out / "resume").exists() and not (out / "resume.old").exists()
+            and f"--resume: nothing to resume in {args.output_dir}/resume"]
 
 
 REPORTERS = ("tensorboard", "wandb")  # --report_to of the training stages

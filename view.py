@@ -101,7 +101,7 @@ def state_html(st, scale):
     rows = []
     for i in order:
         marks = " ".join(sorted(st.get("marks", {}).get(i, [])))
-        cls = st.get("classes", [None] * len(order))[i]
+        cls = (st.get("classes") or [None] * len(order))[i]
         rows.append(f'<tr style="background:{colour(st["advantages"][i], scale)}"><td>{st["advantages"][i]:+.4f}</td>'
                     f'<td>{e(marks)}</td><td>{e(cls or "")}</td><td><pre>{e(st["candidates"][i])}</pre></td></tr>')
     return (f'<details class="state" open><summary>{len(order)} candidate turns at this state (label_turns)</summary>'
@@ -146,8 +146,12 @@ def main(args):
         pairs_path = Path(args.states[: -len(".states.jsonl")]) if args.states.endswith(".states.jsonl") else None
         for _, p in common.read_jsonl(pairs_path) if pairs_path and pairs_path.exists() else []:
             marks.setdefault((p["task_id"], p["sample"], p["turn"]), []).append((p["chosen"], p["rejected"]))
+        classes = Path(f"{pairs_path}.classes.jsonl") if pairs_path else None  # credit.py's true classes
+        classes = {(c["task_id"], c["sample"], c["turn"]): c["classes"]
+                   for _, c in (common.read_jsonl(classes, True) if classes and classes.exists() else [])}
         for _, s in common.read_jsonl(args.states):
             key = (s["task_id"], s["sample"], s["turn"])
+            s["classes"] = classes.get(key)
             s["marks"] = {}
             for k, (c, r) in enumerate(marks.get(key, []), 1):
                 s["marks"].setdefault(s["candidates"].index(c), []).append(f"chosen #{k}")

@@ -28,22 +28,22 @@ def test_turn_classes_follow_the_rules():
     start = [{"role": "user", "content": t["problem_description"]}]
     facts = t["hidden_information"].splitlines()
     question = rollout.oracle_question(facts[0])
-    assert colbench.turn_class(t, start, question) == "good"  # reveals a fact not yet known
-    assert colbench.turn_class(t, start, "Should the code print anything?") == "bad"  # reveals nothing
+    assert credit.turn_class(t, start, question) == "good"  # reveals a fact not yet known
+    assert credit.turn_class(t, start, "Should the code print anything?") == "bad"  # reveals nothing
     after = start + [{"role": "assistant", "content": question},
                      {"role": "user", "content": colbench.scripted_reply(t["hidden_information"], question)}]
     assert colbench.revealed_facts(t, after) == {facts[0]}  # one fact a reply
-    assert colbench.turn_class(t, after, question) == "bad"  # asking again reveals nothing new
+    assert credit.turn_class(t, after, question) == "bad"  # asking again reveals nothing new
     for f in facts[1:]:
         q = rollout.oracle_question(f)
         after += [{"role": "assistant", "content": q}, {"role": "user", "content": colbench.scripted_reply(t["hidden_information"], q)}]
     assert colbench.revealed_facts(t, after) == set(facts) and len(facts) == 2
-    assert colbench.turn_class(t, after, f"{colbench.ANSWER_MARKER}\n{t['ground_truth']}") == "good"
+    assert credit.turn_class(t, after, f"{colbench.ANSWER_MARKER}\n{t['ground_truth']}") == "good"
     wrong = t["ground_truth"].replace("return ", "return 1 + ")
-    assert colbench.turn_class(t, after, f"{colbench.ANSWER_MARKER}\n{wrong}") == "bad"
+    assert credit.turn_class(t, after, f"{colbench.ANSWER_MARKER}\n{wrong}") == "bad"
     # at the last allowed turn, whatever the agent writes is its answer
-    assert colbench.turn_class(t, after, t["ground_truth"], last_turn=True) == "good"
-    assert colbench.turn_class(t, after, question, last_turn=True) == "bad"
+    assert credit.turn_class(t, after, t["ground_truth"], last_turn=True) == "good"
+    assert credit.turn_class(t, after, question, last_turn=True) == "bad"
 
 
 def oracle(hasty, mistake, seed=0, max_turns=10):
@@ -85,7 +85,7 @@ def test_hasty_oracle_mix_is_seeded_and_guesses_fail():
     # a wasted question asks again about a revealed fact (a repeat) or about nothing the facts cover
     repeats = [(t, d[:i], m["content"]) for (d, _), t in zip(mixed, tasks) for i, m in enumerate(d)
                if m["role"] == "assistant" and colbench.ANSWER_MARKER not in m["content"]
-               and m["content"] not in rollout.DETOURS and colbench.turn_class(t, d[:i], m["content"]) == "bad"]
+               and m["content"] not in rollout.DETOURS and credit.turn_class(t, d[:i], m["content"]) == "bad"]
     assert repeats and all(colbench.revealed_facts(t, before) for t, before, _ in repeats)
     # a wasted question spends a hasty dialogue's budget: with every question wasted, no fact is learned
     agent, agent.args = oracle(1.0, 1.0)
@@ -259,7 +259,7 @@ def test_oracle_mistakes_waste_turns_and_slip_and_a_tight_budget_makes_waste_cos
     games = [(t, *play(agent, t, k)) for t in tasks for k in range(3)]
     facts = lambda t: set(colbench.hidden_facts(t))
     wasted = lambda t, d: sum(m["role"] == "assistant" and colbench.ANSWER_MARKER not in m["content"]
-                              and colbench.turn_class(t, d[:i], m["content"]) == "bad" for i, m in enumerate(d))
+                              and credit.turn_class(t, d[:i], m["content"]) == "bad" for i, m in enumerate(d))
     informed = [(t, d, ok) for t, d, ok in games if colbench.revealed_facts(t, d) == facts(t)]
     # a slip: every fact heard, and the answer breaks one of them (the others' constants kept)
     slips = [(t, d) for t, d, ok in informed if not ok]

@@ -7,6 +7,7 @@ import pytest
 
 import colbench
 import common
+import credit
 import render
 import evaluate
 import generate_tasks
@@ -223,7 +224,7 @@ def test_html_turn_classes():
     feats = {colbench.design_page(design, "Gym"): design,
              colbench.design_page(dict(design, header="red"), "Gym"): dict(design, header="red"),
              colbench.design_page(dict(design, title="left"), "Gym"): dict(design, title="left")}
-    cls = lambda turn, dialogue=(): colbench.design_turn_class(task, [{"role": "user", "content": "hi"}, *dialogue],
+    cls = lambda turn, dialogue=(): credit.design_turn_class(task, [{"role": "user", "content": "hi"}, *dialogue],
                                                                turn, False, feats.__getitem__)
     right, red, left = feats
     heard = [{"role": "assistant", "content": "?"}, {"role": "user", "content": "The header is green."}]
@@ -241,7 +242,7 @@ def test_html_turn_classes():
     assert cls(f"Draft: {off}") == "bad" and cls(f"I WANT TO ANSWER: {off}") == "bad"
     assert cls(f"I WANT TO ANSWER: {right}") == "good" and cls(f"I WANT TO ANSWER: {left}") == "bad"
     assert cls("I WANT TO ANSWER: no page") == "bad"
-    assert colbench.design_turn_class(task, [], right, True, feats.__getitem__) == "good"  # the last turn is the answer
+    assert credit.design_turn_class(task, [], right, True, feats.__getitem__) == "good"  # the last turn is the answer
 
 
 def test_compare_reports_html_similarity_win_rate_and_exact_design(tmp_path, capsys):

@@ -9,7 +9,7 @@ import pytest
 from conftest import ROOT
 
 SCRIPTS = ["generate_tasks.py", "simulator.py", "rollout.py", "evaluate.py", "train_critic.py", "label_turns.py",
-           "train_dpo.py", "view.py"]
+           "train_dpo.py", "view.py", "credit.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -69,7 +69,7 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
     report = json.loads((run / "pairs.jsonl.credit.json").read_text())  # every DPO pair judged once
     n_pairs = len((run / "pairs.jsonl").read_text().splitlines())
     assert set(report["dpo_pairs"]) == {"right", "wrong", "same_class"} and sum(report["dpo_pairs"].values()) == n_pairs
-    states = read(run / "pairs.jsonl.states.jsonl")
+    states = credit.labelled_states(run / "pairs.jsonl")  # with credit.py's true classes (pairs.jsonl.classes.jsonl)
     assert states and report["kind_order"] == credit.kind_order(states)  # the class diagnostic's state-blind order
     # credit_accuracy: the candidates of a fixed sample of states valued by their continuations under the start
     mc = read(run / "pairs.jsonl.mc.jsonl")
@@ -119,7 +119,7 @@ def test_run_sh_html_loop(tiny_model, tmp_path):
     assert p_["win_rate"] == pytest.approx(s["win_rate"]) and p_["win_rate_ci95"][0] <= p_["win_rate"] <= p_["win_rate_ci95"][1]
     assert set(res["class_accuracy"]) == {"sweet", "no_training_info", "untrained"}  # MC_STATES=0: no values, no credit_accuracy
     assert "credit_accuracy" not in res and not (run / "pairs.jsonl.mc.jsonl").exists()
-    states = read(run / "pairs.jsonl.states.jsonl")  # every labelled state has its true classes
+    states = credit.labelled_states(run / "pairs.jsonl")  # every labelled state has its true classes (credit.py)
     assert states and all(set(st["classes"]) <= {"good", "bad"} for st in states)
     sel = json.loads((run / "select_sweet.json").read_text())
     assert "similarity" in sel["methods"]["start"] and m["policy"] == sel["selected_policy"]

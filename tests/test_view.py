@@ -18,8 +18,10 @@ def test_report_in_a_real_browser(tiny_model, tmp_path):
             make_traj(tok, TASK, ["I WANT TO ANSWER: def f(x): return x"], [], 0.0, 1)]
     (tmp_path / "g.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     state = {"task_id": "t0", "sample": 1, "turn": 0, "candidates": ["What factor?", "I WANT TO ANSWER: x"],
-             "advantages": [0.02, -0.03], "classes": ["good", "bad"]}
+             "advantages": [0.02, -0.03]}
     (tmp_path / "pairs.jsonl.states.jsonl").write_text(json.dumps(state) + "\n")
+    (tmp_path / "pairs.jsonl.classes.jsonl").write_text(json.dumps({  # credit.py's true classes
+        "task_id": "t0", "sample": 1, "turn": 0, "classes": ["good", "bad"]}) + "\n")
     (tmp_path / "pairs.jsonl").write_text(json.dumps({"prompt": "p", "chosen": "What factor?", "rejected": "I WANT TO ANSWER: x",
                                                       "task_id": "t0", "sample": 1, "turn": 0}) + "\n")
     critic = AutoModelForCausalLM.from_pretrained(tiny_model)  # a critic that differs from pi_ref

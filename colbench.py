@@ -31,8 +31,8 @@ def task_id(task):
     if task.get("task_id"):
         return str(task["task_id"])
     # all the task's content: two tasks that differ only in their tests must not share an id
-    blob = json.dumps([task.get(k) for k in ("problem_description", "hidden_information", "ground_truth", "test_cases")],
-                      ensure_ascii=False, sort_keys=True)
+    fields = ("problem_description", "hidden_information", "ground_truth", "test_cases")
+    blob = json.dumps([task.get(k) for k in fields], ensure_ascii=False, sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
 
@@ -89,7 +89,8 @@ AGENT_SYSTEM_PROMPT = {
     "html": ("You help a human design one web page with HTML and Tailwind CSS. The human has a picture of the page "
              "they want in mind. In each turn you may include at most one HTML snippet (<html>...</html>); it is "
              "rendered and shown to the human, who tells you how it differs from what they want. Ask short "
-             f"questions, for at most 10 turns. When ready, reply with {ANSWER_MARKER} followed only by the full HTML."),
+             f"questions, for at most 10 turns. When ready, reply with {ANSWER_MARKER} followed only by the full "
+             "HTML."),
 }
 
 HUMAN_PROMPT = {
@@ -181,7 +182,8 @@ def human_messages(task, dialogue, task_type="code", agent_image=None, target_im
     user message, the template's text and then the two images."""
     if prompts and task_type == "code":
         text = prompts["human"].format(problem_description=task["problem_description"],
-                                       hidden_information=task["hidden_information"], dialogue_history=transcript(dialogue))
+                                       hidden_information=task["hidden_information"],
+                                       dialogue_history=transcript(dialogue))
         return [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": text}]
     facts = task_type == "html" and task.get("hidden_information")  # a procedural page with hidden design facts
     system = prompts["human"] if prompts else HUMAN_PROMPT["html_facts" if facts else task_type].format(**task)
@@ -269,7 +271,8 @@ def dialogue_outcome(row):
     agent = [j for j, m in enumerate(d) if m["role"] == "assistant"]
     if not agent or row.get("finish", "answered") != "answered":
         return "no_answer"
-    return f"{'informed' if knows_every_fact(row['task'], d[:agent[-1]]) else 'hasty'}_{'pass' if row.get('success') else 'fail'}"
+    informed = "informed" if knows_every_fact(row["task"], d[:agent[-1]]) else "hasty"
+    return f"{informed}_{'pass' if row.get('success') else 'fail'}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -292,7 +295,8 @@ def design_page(design, title):
     dark = design["background"] == "dark"
     box = f'<div class="bg-{design["header"]}-200"></div>'
     return (f'<body class="{"bg-gray-900" if dark else "bg-white"}">\n'
-            f'<header class="bg-{design["header"]}-600 text-white text-4xl text-{design["title"]} p-6">{title}</header>\n'
+            f'<header class="bg-{design["header"]}-600 text-white text-4xl text-{design["title"]} p-6">'
+            f'{title}</header>\n'
             f'<div class="grid grid-cols-{design["boxes"]} gap-4 p-6 h-36">{box * int(design["boxes"])}</div>\n'
             f'<footer class="bg-{design["footer"]}-700 text-white p-4">{title}</footer>\n</body>')
 
@@ -440,9 +444,11 @@ def validate_trajectory(r, where, task_type=None):
     if not isinstance(r["dialogue_history"], list):
         raise DataError(f"{where}: 'dialogue_history' must be a list of messages")
     for j, m in enumerate(r["dialogue_history"]):
-        if not (isinstance(m, dict) and m.get("role") in ("user", "assistant", "system") and isinstance(m.get("content"), str)):
+        if not (isinstance(m, dict) and m.get("role") in ("user", "assistant", "system")
+                and isinstance(m.get("content"), str)):
             raise DataError(f"{where}: dialogue_history[{j}] must be {{'role': user|assistant|system, 'content': str}}")
-        if m["role"] == "assistant" and "input" in m and not (isinstance(m["input"], str) and isinstance(m.get("output"), str)):
+        if m["role"] == "assistant" and "input" in m and not (isinstance(m["input"], str)
+                                                               and isinstance(m.get("output"), str)):
             raise DataError(f"{where}: dialogue_history[{j}]: stored 'input' and 'output' must both be strings")
     if not isinstance(r.get("answer", ""), (str, type(None))):
         raise DataError(f"{where}: 'answer' must be a string or null")

@@ -396,6 +396,7 @@ def main(args):
                   args.states < 0 and "--states must be >= 0 (0: no Monte-Carlo values)",
                   not Path(f"{args.pairs}.states.jsonl").exists()
                   and f"{args.pairs}.states.jsonl: not found (run label_turns.py)")
+    common.save_run_settings(f"{args.pairs}.credit.run_settings.json", args)
     trajectories = colbench.load_graded(args.trajectories)
     classify(args.pairs, trajectories, args.max_turns)
     out = mc_paths(args.pairs)[0]

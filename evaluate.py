@@ -79,8 +79,10 @@ def grade_html(rows, args):
     sim = render.ImageSimilarity(args.clip_model)
     tasks = {r["task_id"]: r["task"]["ground_truth"] for r in rows}
     with render.RenderPool(args.render_workers) as pool, ThreadPoolExecutor(args.render_workers) as threads:
-        targets = dict(zip(tasks, tqdm(threads.map(pool.render_kept, tasks.values()), total=len(tasks), desc="target pages")))
-        answers = list(tqdm(threads.map(pool.render, [r["answer"] or "" for r in rows]), total=len(rows), desc="answer pages"))
+        renders = threads.map(pool.render_kept, tasks.values())
+        targets = dict(zip(tasks, tqdm(renders, total=len(tasks), desc="target pages")))
+        renders = threads.map(pool.render, [r["answer"] or "" for r in rows])
+        answers = list(tqdm(renders, total=len(rows), desc="answer pages"))
         failures = pool.failures
     scores = sim([img for img, _ in answers], [targets[r["task_id"]][0] for r in rows])
     for r, s, (img, ok) in zip(rows, scores, answers):
@@ -133,24 +135,26 @@ def grade_all(rows, args):
     workers = args.workers or 2 * (os.cpu_count() or 1)
     calls = lambda t: list(t["test_cases"].items())
     with ThreadPoolExecutor(workers) as pool:
-        gt = dict(zip(tasks, tqdm(pool.map(lambda t: sandbox.run_calls(t["ground_truth"], calls(t), args.timeout,
-                                                                      args.released_semantics, trusted=True), tasks.values()),
-                                  total=len(tasks), desc="ground truths")))
-        grades = list(tqdm(pool.map(lambda r: sandbox.grade_code(r["task"], r["answer"], args.timeout, args.released_semantics,
-                                                                gt[r["task_id"]]), rows), total=len(rows), desc="answers"))
+        run_gt = lambda t: sandbox.run_calls(t["ground_truth"], calls(t), args.timeout, args.released_semantics,
+                                             trusted=True)
+        gt = dict(zip(tasks, tqdm(pool.map(run_gt, tasks.values()), total=len(tasks), desc="ground truths")))
+        grade = lambda r: sandbox.grade_code(r["task"], r["answer"], args.timeout, args.released_semantics,
+                                             gt[r["task_id"]])
+        grades = list(tqdm(pool.map(grade, rows), total=len(rows), desc="answers"))
     for r, g in zip(rows, grades):
         r.update(reward=g["reward"], success=g["success"], tests_passed=g["passed"], tests_total=g["total"],
                  timeouts=g["timeouts"], verdicts=g["verdicts"])
     infra = sum(v == "infrastructure" for r in rows for v in r["verdicts"].values())
     if infra:
-        print(f"WARNING: {infra} tests could not be judged (sandbox or ground-truth failure: 'infrastructure' verdicts)",
-              file=sys.stderr)
+        print(f"WARNING: {infra} tests could not be judged (sandbox or ground-truth failure: 'infrastructure' "
+              f"verdicts)", file=sys.stderr)
     return rows
 
 
 def answered(r):
     """the dialogue ended with an answer (older files without `finish`: the marker appears in it)"""
-    return r.get("finish", "answered" if colbench.ANSWER_MARKER in json.dumps(r["dialogue_history"]) else "") == "answered"
+    marked = colbench.ANSWER_MARKER in json.dumps(r["dialogue_history"])
+    return r.get("finish", "answered" if marked else "") == "answered"
 
 
 def summarize(rows, k=1):
@@ -161,7 +165,8 @@ def summarize(rows, k=1):
     s = {"num_trajectories": len(rows), "num_tasks": len(by_task),
          "success_rate": mean([r.get("success", False) for r in rows]),
          "tests_passed": mean([r["reward"] for r in rows]),
-         "mean_turns": mean([colbench.num_agent_turns(r) for r in rows]), "answered_rate": mean([answered(r) for r in rows]),
+         "mean_turns": mean([colbench.num_agent_turns(r) for r in rows]),
+         "answered_rate": mean([answered(r) for r in rows]),
          "errors": sum(r.get("finish") == "error" for r in rows),
          "timeouts": sum(r.get("timeouts", 0) > 0 for r in rows), "k": k,
          "verdicts": dict(Counter(v for r in rows for v in r.get("verdicts", {}).values()))}
@@ -183,14 +188,17 @@ def print_table(s, title=""):
             lines += [("win rate vs reference", f"{100 * s['win_rate']:.1f}%")]
         lines += [("pages that failed to render", s["render_failures"])]
     else:
-        lines += [("success rate", f"{100 * s['success_rate']:.1f}%"), ("% tests passed", f"{100 * s['tests_passed']:.1f}%")]
+        lines += [("success rate", f"{100 * s['success_rate']:.1f}%"),
+                  ("% tests passed", f"{100 * s['tests_passed']:.1f}%")]
     if s["k"] > 1 and "similarity" not in s:
         lines += [(f"best-of-{s['k']} success", f"{100 * s['best_of_k_success']:.1f}%"),
                   (f"best-of-{s['k']} tests", f"{100 * s['best_of_k_tests']:.1f}%")]
-    lines += [("mean agent turns", f"{s['mean_turns']:.2f}"), ("answered with marker", f"{100 * s['answered_rate']:.1f}%"),
+    lines += [("mean agent turns", f"{s['mean_turns']:.2f}"),
+              ("answered with marker", f"{100 * s['answered_rate']:.1f}%"),
               ("trajectories with a timed-out test", s["timeouts"]), ("rollout errors", s["errors"])]
     if s.get("verdicts"):
-        lines += [("test verdicts", ", ".join(f"{v} {s['verdicts'][v]}" for v in sandbox.VERDICTS if v in s["verdicts"]))]
+        verdicts = ", ".join(f"{v} {s['verdicts'][v]}" for v in sandbox.VERDICTS if v in s["verdicts"])
+        lines += [("test verdicts", verdicts)]
     print(f"\n{title or 'ColBench'}")
     for name, v in lines:
         print(f"  {name:<44} {v}")
@@ -236,7 +244,7 @@ def compare(args):
         value = (lambda r: r["reward"]) if html else (lambda r: float(bool(r["success"])))
         per_task[name] = {t: sum(map(value, v)) / len(v) for t, v in by.items()}
         tests[name] = sum(r["reward"] for r in rows) / len(rows)
-        length[name] = {"mean_turns": sum(map(colbench.num_agent_turns, rows)) / len(rows),  # how long the dialogues ran,
+        length[name] = {"mean_turns": sum(map(colbench.num_agent_turns, rows)) / len(rows),  # how long they ran,
                         "answered_rate": sum(map(answered, rows)) / len(rows)}   # and how many answered at all
         if html and all("exact_design" in r for r in rows):
             exact[name] = sum(r["exact_design"] for r in rows) / len(rows)
@@ -250,15 +258,17 @@ def compare(args):
     if not tasks:
         raise common.DataError("--compare: the runs share no task")
     paired = {}  # NAME -> difference to the first method (the baseline, zero_shot in run.sh)
-    res = {"num_test_tasks": len(tasks), **({"metric": metric} if html else {}), "methods": {}, f"paired_vs_{base}": paired}
+    res = {"num_test_tasks": len(tasks), **({"metric": metric} if html else {}), "methods": {},
+           f"paired_vs_{base}": paired}
     for other in list(runs)[1:]:  # every other method against every other (e.g. paired_vs_multi_turn_dpo)
         diff = lambda name: [per_task[name][t] - per_task[other][t] for t in tasks]
-        res[f"paired_vs_{other}"] = {name: {"diff": sum(diff(name)) / len(tasks), "ci95": bootstrap_ci(diff(name), args.bootstrap)}
+        res[f"paired_vs_{other}"] = {name: {"diff": sum(diff(name)) / len(tasks),
+                                            "ci95": bootstrap_ci(diff(name), args.bootstrap)}
                                      for name in runs if name != other}
     for name in runs:
         xs = [per_task[name][t] for t in tasks]
-        res["methods"][name] = {score: sum(xs) / len(xs), "ci95": bootstrap_ci(xs, args.bootstrap),
-                                **({"exact_design": exact[name]} if name in exact else {} if html else {"tests_passed": tests[name]}),
+        last = {"exact_design": exact[name]} if name in exact else {} if html else {"tests_passed": tests[name]}
+        res["methods"][name] = {score: sum(xs) / len(xs), "ci95": bootstrap_ci(xs, args.bootstrap), **last,
                                 "policy": policies.get(name, "")}
         if name in outcomes:
             res["methods"][name]["outcomes"] = outcomes[name]
@@ -272,7 +282,8 @@ def compare(args):
                                     won=sum(x > 0 for x in d), tied=sum(x == 0 for x in d), lost=sum(x < 0 for x in d))
             if name in exact_task and base in exact_task:  # the similarity barely sees some design facts
                 e = [exact_task[name][t] - exact_task[base][t] for t in tasks]
-                paired[name].update(exact_design_diff=sum(e) / len(e), exact_design_ci95=bootstrap_ci(e, args.bootstrap))
+                paired[name].update(exact_design_diff=sum(e) / len(e),
+                                    exact_design_ci95=bootstrap_ci(e, args.bootstrap))
     credit_file = Path(f"{args.credit}.credit.json")
     credit = json.loads(credit_file.read_text()) if args.credit and credit_file.exists() else {}
     if args.credit and not credit:
@@ -347,7 +358,8 @@ def graded_before(rows, args):
             return None  # graded before target_rendered was recorded
         extra = {"metric": old[0]["metric"], "render_failures": sum(not r["rendered"] for r in old)
                  + len({r["task_id"] for r in old if not r["target_rendered"]})}
-    print(f"reusing {args.output}: it grades these {len(rows)} trajectories with the same settings (delete it to grade again)")
+    print(f"reusing {args.output}: it grades these {len(rows)} trajectories with the same settings "
+          f"(delete it to grade again)")
     return old, extra
 
 
@@ -380,8 +392,10 @@ def main(args):
         if args.reference:
             ref = [r for _, r in common.read_jsonl(args.reference)]
             if ref and ref[0].get("metric") != s["metric"]:
-                sys.exit(f"{args.reference} was scored with {ref[0].get('metric')}, this run with {s['metric']}: not comparable")
-            s["win_rate"] = win_rate(rows, [dict(r, task_id=r.get("task_id") or colbench.task_id(r["task"])) for r in ref])
+                sys.exit(f"{args.reference} was scored with {ref[0].get('metric')}, this run with {s['metric']}: "
+                         f"not comparable")
+            s["win_rate"] = win_rate(rows, [dict(r, task_id=r.get("task_id") or colbench.task_id(r["task"]))
+                                            for r in ref])
     print_table(s, f"ColBench {'frontend' if args.task_type == 'html' else 'backend'}: {args.input}")
     if args.summary:
         common.write_text(args.summary, json.dumps(s, indent=2))

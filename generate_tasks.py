@@ -8,7 +8,8 @@ Writes: JSONL with problem_description, hidden_information, ground_truth, test_c
     python generate_tasks.py --task_type code --source procedural --num_tasks 200 --seed 1 --output data/test.jsonl
     python generate_tasks.py --task_type code --source procedural --num_tasks 1000 --seed 0 \
         --exclude data/test.jsonl --output data/train.jsonl
-    python generate_tasks.py --task_type code --source file --input colbench_backend.jsonl --num_tasks 0 --output data/tasks.jsonl
+    python generate_tasks.py --task_type code --source file --input colbench_backend.jsonl --num_tasks 0 \
+        --output data/tasks.jsonl
     python generate_tasks.py --task_type html --source procedural --num_tasks 50 --seed 1 --output data/html_test.jsonl
 
 Procedural tasks are ours (docs/curriculum.md): small personalised functions with two hidden facts,
@@ -101,8 +102,10 @@ def fam_fee(rng):
     return fn, f"{fn}({arg})", desc, facts, gt, [[x] for x in xs]
 
 
-GREET_CONTEXTS = [("greet", "name", "a greeting for a guest"), ("welcome_message", "user", "a welcome message for a new user"),
-                  ("farewell", "name", "a goodbye message for a customer"), ("shout_out", "player", "a shout-out for a player")]
+GREET_CONTEXTS = [("greet", "name", "a greeting for a guest"),
+                  ("welcome_message", "user", "a welcome message for a new user"),
+                  ("farewell", "name", "a goodbye message for a customer"),
+                  ("shout_out", "player", "a shout-out for a player")]
 WORDS = ["Hello", "Hi", "Howdy", "Welcome", "Greetings", "Hey", "Bye", "Cheers", "Good day", "Yo", "Ahoy", "Salut"]
 ENDINGS = ["!", "!!", ".", "?", " :)", "!!!", "...", " <3"]
 
@@ -110,7 +113,8 @@ ENDINGS = ["!", "!!", ".", "?", " :)", "!!!", "...", " <3"]
 def fam_greeting(rng):
     fn, arg, what = rng.choice(GREET_CONTEXTS)
     word, end = rng.choice(WORDS), rng.choice(ENDINGS)
-    facts = [f"The message starts with '{word}' and a space, then the {arg}.", f"The message ends with '{end}' right after the {arg}."]
+    facts = [f"The message starts with '{word}' and a space, then the {arg}.",
+             f"The message ends with '{end}' right after the {arg}."]
     gt = f"def {fn}({arg}):\n    return '{word} ' + {arg} + '{end}'\n"
     names = rng.sample(["Ann", "Bob", "Carla", "Dev", "Eve", "Femi", "Gus", "Hana", "Ivan", "Jo", "Kim", "Lee"], 10)
     desc = f"Please write a function that builds {what} as a string."
@@ -201,7 +205,8 @@ def procedural_page(rng):
     hidden = set(rng.sample(sorted(design), rng.choice([2, 3])))
     stated = " ".join(colbench.design_fact(k, design[k]) for k in design if k not in hidden)
     biz = rng.choice(BUSINESSES)
-    return {"problem_description": f"I want a {rng.choice(['clean', 'bold', 'friendly', 'simple'])} web page for my {biz}: "
+    mood = rng.choice(['clean', 'bold', 'friendly', 'simple'])
+    return {"problem_description": f"I want a {mood} web page for my {biz}: "
                                    f"a header with its name, a row of boxes and a footer. {stated}",
             "hidden_information": "\n".join(colbench.design_fact(k, design[k]) for k in design if k in hidden),
             "ground_truth": f"<html>\n{TAILWIND_LINK}\n{colbench.design_page(design, biz.title())}\n</html>"}
@@ -227,7 +232,8 @@ def main(args):
     if args.task_type not in ("code", "html"):
         sys.exit(f"--task_type {args.task_type}: choose code or html")
     common.check_writable(args.output)
-    exclude = {t["task_id"] for f in filter(None, args.exclude.split(",")) for t in colbench.load_tasks(f, args.task_type)}
+    exclude = {t["task_id"] for f in filter(None, args.exclude.split(","))
+               for t in colbench.load_tasks(f, args.task_type)}
     if args.source == "procedural":
         make = procedural_page if args.task_type == "html" else procedural_task
         rng, tasks, seen = random.Random(args.seed), [], set(exclude)

@@ -104,7 +104,8 @@ def dtype_problem(flag, name):
 def precision_problems(args):
     """refuse()'s checks of a training stage's --dtype and --save_dtype."""
     return [dtype_problem("--dtype", args.dtype),
-            args.save_dtype not in ("float32", "bfloat16") and f"--save_dtype {args.save_dtype}: choose float32 or bfloat16"]
+            args.save_dtype not in ("float32", "bfloat16")
+            and f"--save_dtype {args.save_dtype}: choose float32 or bfloat16"]
 
 
 def compute_dtype(name, device):
@@ -133,7 +134,8 @@ def load_model(name, device, grad_ckpt=False, dtype=None, train_layers=0, empty=
                                                      attn_implementation=attn)
         model.tie_weights()  # (init_empty_weights leaves tied embeddings apart)
     else:
-        model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype, attn_implementation=attn).to(device)
+        model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype, attn_implementation=attn)
+        model = model.to(device)
     if grad_ckpt:
         # transformers 5.23 names it activation_checkpointing_enable and warns on the old name; older
         # versions have only the old name
@@ -224,7 +226,8 @@ class HFSampler:
     reuse_cache (rollouts): each dialogue keeps its KV cache from one turn to the next (the key's
     dialogue part, key minus its last '/' field), so a turn runs only the tokens its prompt adds:
     the human's reply and the chat template's markers. Dialogues absent from a call are dropped."""
-    def __init__(self, model, temperature, top_p, max_new_tokens, loaded=None, reuse_cache=False, max_batch_tokens=65536):
+    def __init__(self, model, temperature, top_p, max_new_tokens, loaded=None, reuse_cache=False,
+                 max_batch_tokens=65536):
         import torch
         from transformers import AutoModelForCausalLM
         self.torch, self.temperature, self.top_p, self.max_new_tokens = torch, temperature, top_p, max_new_tokens
@@ -265,7 +268,8 @@ class HFSampler:
         of candidates and the prompt length (a part has at least one row). lengths: prompt -> tokens."""
         parts, part, longest = [], [], 0
         for p in prompts:
-            n = (lengths[p] if lengths else len(self.tok(p, add_special_tokens=False)["input_ids"])) + self.max_new_tokens
+            n = lengths[p] if lengths else len(self.tok(p, add_special_tokens=False)["input_ids"])
+            n += self.max_new_tokens
             if part and (len(part) + 1) * max(longest, n) > self.max_batch_tokens:
                 parts.append(part)
                 part, longest = [], 0
@@ -289,7 +293,7 @@ class HFSampler:
         mask = attention_mask
         rows = list(range(input_ids.shape[0] if expand is None else len(expand)))  # the batch's rows
         new, kv = [[] for _ in rows], [None] * len(rows)
-        ids = input_ids[:, cache.get_seq_length():] if cache is not None else input_ids  # a cache holds the first tokens
+        ids = input_ids[:, cache.get_seq_length():] if cache is not None else input_ids  # a cache: the first tokens
         cache = cache if cache is not None else DynamicCache()
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
         with torch.no_grad():
@@ -308,7 +312,8 @@ class HFSampler:
                 done = [i for i, t in enumerate(picked) if t in end or step == self.max_new_tokens - 1]
                 for i in done if keep_cache else []:  # the cache holds every token of the row but the one just picked
                     keep = mask[i].nonzero().squeeze(1)
-                    kv[rows[i]] = [(layer.keys[i:i + 1, :, keep], layer.values[i:i + 1, :, keep]) for layer in cache.layers]
+                    kv[rows[i]] = [(layer.keys[i:i + 1, :, keep], layer.values[i:i + 1, :, keep])
+                                   for layer in cache.layers]
                 if len(done) == len(rows):
                     break
                 if done:
@@ -356,13 +361,15 @@ class HFSampler:
         mask = torch.zeros((B, Lc + Ls), dtype=torch.long)
         for i, (x, n) in enumerate(zip(ids, reuse)):
             input_ids[i, Lc - n:Lc], mask[i, Lc - n:Lc] = torch.tensor(x[:n], dtype=torch.long), 1
-            input_ids[i, Lc + Ls - (len(x) - n):], mask[i, Lc + Ls - (len(x) - n):] = torch.tensor(x[n:], dtype=torch.long), 1
+            start = Lc + Ls - (len(x) - n)
+            input_ids[i, start:], mask[i, start:] = torch.tensor(x[n:], dtype=torch.long), 1
         cache = self._prefix_cache(dialogues, reuse, Ls) if Lc else None
         # the batch's cache now holds a copy of every reused prefix: drop the dialogues' own caches before decoding, or
         # they, the batch's and the new ones the rows leave with are three copies of the dialogues at the peak
         self.cache = {}
         new, kv = self._generate(input_ids.to(self.device), mask.to(self.device), cache, keep_cache=True)
-        self.cache = {d: (x + gen[:-1], layers) for d, x, gen, layers in zip(dialogues, ids, new, kv)}  # absent dialogues have ended
+        # each dialogue's tokens and cache for its next turn (the dialogues absent from the next call have ended)
+        self.cache = {d: (x + gen[:-1], layers) for d, x, gen, layers in zip(dialogues, ids, new, kv)}
         return self.decode(new)
 
     def _prefix_cache(self, dialogues, reuse, Ls):

@@ -43,7 +43,8 @@ def tailwind_css():
     if path.exists():
         return path
     if not shutil.which("npm"):
-        raise RuntimeError(f"need {path}: install npm, or copy tailwind.min.css from tailwindcss@{TAILWIND_VERSION} there")
+        raise RuntimeError(f"need {path}: install npm, or copy tailwind.min.css from tailwindcss@{TAILWIND_VERSION} "
+                           f"there")
     import tarfile
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(["npm", "pack", f"tailwindcss@{TAILWIND_VERSION}", "--silent"], cwd=tmp, check=True,
@@ -103,13 +104,15 @@ class Renderer:
         from selenium import webdriver
         from selenium.webdriver.chrome.service import Service
         if not Path(self.driver_path).exists():
-            raise RuntimeError(f"{self.driver_path} not found: apt-get install chromium chromium-driver (setup.sh does)")
+            raise RuntimeError(f"{self.driver_path} not found: apt-get install chromium chromium-driver "
+                               f"(setup.sh does)")
         opts = webdriver.ChromeOptions()
         opts.binary_location = self.browser_path
         for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                      "--disable-background-networking", "--disable-component-update", "--disable-sync",
                      "--no-first-run", "--disable-quic", "--hide-scrollbars", "--force-device-scale-factor=1",
-                     f"--user-data-dir={self.tmp.name}/profile", '--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE localhost'):
+                     f"--user-data-dir={self.tmp.name}/profile",
+                     '--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE localhost'):
             opts.add_argument(flag)
         self.driver = webdriver.Chrome(service=Service(executable_path=self.driver_path), options=opts)
         self.driver.set_page_load_timeout(self.timeout)
@@ -126,10 +129,12 @@ class Renderer:
             if self.driver is None:
                 self._start()
             page = Path(self.tmp.name) / "page.html"
-            page.write_text(localize_html(html or "", self.tmp.name), encoding="utf-8-sig")  # BOM: pages declare no charset
+            # a byte-order mark: the pages declare no charset
+            page.write_text(localize_html(html or "", self.tmp.name), encoding="utf-8-sig")
             self.driver.get(page.as_uri())
             height = self.driver.execute_script(
-                "return Math.max(document.documentElement.scrollHeight, document.body ? document.body.scrollHeight : 0)")
+                "return Math.max(document.documentElement.scrollHeight, "
+                "document.body ? document.body.scrollHeight : 0)")
             height = int(min(max(height or VIEWPORT[1], VIEWPORT[1]), MAX_PAGE_HEIGHT))
             shot = self.driver.execute_cdp_cmd("Page.captureScreenshot", {
                 "format": "png", "captureBeyondViewport": True,
@@ -277,7 +282,8 @@ class ImageSimilarity:
 HUE_RGB = {  # Tailwind 2.2.19's colours at the shades the procedural pages use (200: boxes, 600: header, 700: footer)
     "red": [(254, 202, 202), (220, 38, 38), (185, 28, 28)], "yellow": [(253, 230, 138), (217, 119, 6), (180, 83, 9)],
     "green": [(167, 243, 208), (5, 150, 105), (4, 120, 87)], "blue": [(191, 219, 254), (37, 99, 235), (29, 78, 216)],
-    "purple": [(221, 214, 254), (124, 58, 237), (109, 40, 217)], "pink": [(251, 207, 232), (219, 39, 119), (190, 24, 93)],
+    "purple": [(221, 214, 254), (124, 58, 237), (109, 40, 217)],
+    "pink": [(251, 207, 232), (219, 39, 119), (190, 24, 93)],
     "gray": [(229, 231, 235), (75, 85, 99), (55, 65, 81)]}
 
 
@@ -297,8 +303,8 @@ def design_features(img):
     codes = (a[..., 0] // 8) * 1024 + (a[..., 1] // 8) * 32 + a[..., 2] // 8
     decode = lambda c: (c // 1024 * 8 + 4, c // 32 % 32 * 8 + 4, c % 32 * 8 + 4)
     bg = int(np.bincount(codes.ravel()).argmax())
-    out = {"background": "dark" if sum(decode(bg)) < 3 * 128 else "white", "header": None, "boxes": None, "footer": None,
-           "title": None}
+    out = {"background": "dark" if sum(decode(bg)) < 3 * 128 else "white",
+           "header": None, "boxes": None, "footer": None, "title": None}
     row_mode = [int(np.bincount(r).argmax()) for r in codes]
     bands, start = [], 0  # [first row, end row, colour code] of runs of rows with one main colour, not the page's
     for y in range(1, height + 1):

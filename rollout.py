@@ -9,7 +9,8 @@ Reads:  tasks JSONL (generate_tasks.py); talks to the simulated human over HTTP 
 
     python simulator.py --port 8000 &
     python rollout.py --tasks data/test.jsonl --output runs/test_rollouts.jsonl --samples 4
-    python rollout.py ... --agent_backend openai --agent_url http://gpu:8001 --agent_model meta-llama/Llama-3.1-8B-Instruct
+    python rollout.py ... --agent_backend openai --agent_url http://gpu:8001 \
+        --agent_model meta-llama/Llama-3.1-8B-Instruct
     python rollout.py ... --shard 0/4          # or under torchrun: shard = RANK/WORLD_SIZE
     python rollout.py --prefixes dialogues.jsonl --output runs/continued.jsonl ...   # go on with given dialogues
 
@@ -122,7 +123,8 @@ def guess_answer(task, known, rng):
     facts = colbench.hidden_facts(task)
     heard = {c for f in facts if f in known for c in CONSTANT.findall(f)}
     code = task["ground_truth"].strip()
-    for c in sorted({c for f in facts if f not in known for c in CONSTANT.findall(f)} - heard, key=lambda c: (-len(c), c)):
+    unheard = {c for f in facts if f not in known for c in CONSTANT.findall(f)} - heard
+    for c in sorted(unheard, key=lambda c: (-len(c), c)):
         if c.startswith("'"):  # a string: replace it inside the code's string literals
             s = c[1:-1]
             g = rng.choice([w for w in (["yes", "no", "Hello", "high", "low"] if s.strip(" .!?:)<3").isalpha() or not s
@@ -136,7 +138,8 @@ def guess_answer(task, known, rng):
 
 # Frontend (procedural pages with design facts): a question per fact, questions the facts never cover,
 # and the page itself (colbench.design_page) with unheard facts guessed.
-DESIGN_QUESTIONS = {"background": "Should the page background be white or dark?", "header": "What colour is the header?",
+DESIGN_QUESTIONS = {"background": "Should the page background be white or dark?",
+                    "header": "What colour is the header?",
                     "boxes": "How many boxes go in the row?", "footer": "What colour is the footer?",
                     "title": "How should the title be aligned?"}
 HTML_DETOURS = ["Do you want a contact form?", "Which font do you like?", "Should there be a logo?",
@@ -170,7 +173,9 @@ def html_oracle_turn(task, dialogue, turn, plan, rng, args):
 
     def wasted():  # asks again about a fact it has heard, or about something no fact covers
         nothing_new = sorted(k for k, v in hidden.items() if colbench.design_fact(k, v) in known)
-        return DESIGN_QUESTIONS[rng.choice(nothing_new)] if nothing_new and rng.random() < 0.5 else rng.choice(HTML_DETOURS)
+        if nothing_new and rng.random() < 0.5:
+            return DESIGN_QUESTIONS[rng.choice(nothing_new)]
+        return rng.choice(HTML_DETOURS)
     if answer_now or approved:
         return f"{colbench.ANSWER_MARKER}\n{page()}"
     if rng.random() < args.oracle_mistake:
@@ -229,22 +234,27 @@ AGENTS = ("hf", "openai", "vllm", "oracle")
 
 # ----------------------------------------------------------------------------------------------
 def finish(ep, how, error=None):
-    row = {"task": ep["task"], "dialogue_history": ep["dialogue"], "answer": colbench.final_answer(ep["dialogue"], ep["task_type"]),
-           "task_id": ep["task"]["task_id"], "sample": ep["sample"],
+    row = {"task": ep["task"], "dialogue_history": ep["dialogue"],
+           "answer": colbench.final_answer(ep["dialogue"], ep["task_type"]), "task_id": ep["task"]["task_id"],
+           "sample": ep["sample"],
            "num_turns": sum(m["role"] == "assistant" for m in ep["dialogue"]), "finish": how}
     return row if error is None else dict(row, error=error)
 
 
 def main(args):
     common.refuse(args.task_type not in ("code", "html") and f"--task_type {args.task_type}: choose code or html",
-                  args.agent_backend not in AGENTS and f"--agent_backend {args.agent_backend}: choose one of {', '.join(AGENTS)}",
+                  args.agent_backend not in AGENTS
+                  and f"--agent_backend {args.agent_backend}: choose one of {', '.join(AGENTS)}",
                   args.agent_backend == "openai" and not args.agent_url and "--agent_backend openai needs --agent_url",
-                  args.samples < 1 and "--samples must be at least 1", args.max_turns < 1 and "--max_turns must be at least 1",
+                  args.samples < 1 and "--samples must be at least 1",
+                  args.max_turns < 1 and "--max_turns must be at least 1",
                   args.batch_size < 1 and "--batch_size must be at least 1",
-                  args.temperature < 0 and "--temperature must be >= 0", not 0 < args.top_p <= 1 and "--top_p must be in (0, 1]",
+                  args.temperature < 0 and "--temperature must be >= 0",
+                  not 0 < args.top_p <= 1 and "--top_p must be in (0, 1]",
                   args.max_new_tokens < 1 and "--max_new_tokens must be at least 1",
                   bool(args.tasks) == bool(args.prefixes) and "give one of --tasks and --prefixes",
-                  args.prefixes and args.agent_backend == "oracle" and "--prefixes: the oracle starts its dialogues itself")
+                  args.prefixes and args.agent_backend == "oracle"
+                  and "--prefixes: the oracle starts its dialogues itself")
     if args.agent_backend == "vllm":
         models.pin_gpu()  # before anything touches CUDA: under torchrun, this rank's engine on its own GPU
     shard, num_shards = common.parse_shard(args.shard)
@@ -254,8 +264,8 @@ def main(args):
         for line, r in list(common.read_jsonl(args.prefixes))[: args.num_tasks or None]:
             colbench.validate_trajectory(r, f"{args.prefixes}:{line}", args.task_type)
             if not isinstance(r.get("sample"), int) or not r["dialogue_history"]:
-                raise common.DataError(f"{args.prefixes}:{line}: a dialogue to continue needs an integer 'sample' and a "
-                                       f"non-empty dialogue_history")
+                raise common.DataError(f"{args.prefixes}:{line}: a dialogue to continue needs an integer 'sample' "
+                                       f"and a non-empty dialogue_history")
             jobs.append((dict(r["task"], task_id=r["task"].get("task_id") or colbench.task_id(r["task"])), r["sample"],
                          r["dialogue_history"]))
     else:
@@ -267,8 +277,10 @@ def main(args):
     out_path = common.sharded_path(args.output, shard, num_shards)
     common.check_writable(out_path)
     common.save_run_settings(f"{out_path}.run_settings.json", args)
-    key, retry = (lambda r: (r["task_id"], r["sample"])), (lambda r: r.get("finish") == "error")  # retry failed dialogues
-    writer = common.ResumableWriter(out_path, key, retry, common.done_elsewhere(args.output, out_path, key, retry=retry))
+    key = lambda r: (r["task_id"], r["sample"])
+    retry = lambda r: r.get("finish") == "error"  # failed dialogues are run again
+    elsewhere = common.done_elsewhere(args.output, out_path, key, retry=retry)
+    writer = common.ResumableWriter(out_path, key, retry, elsewhere)
     todo = deque(job for job in jobs if not writer.finished((job[0]["task_id"], job[1])))
     print(f"{len(jobs)} dialogues in this shard, {len(jobs) - len(todo)} already done ({args.output} and its shards), "
           f"{len(todo)} to run",
@@ -294,14 +306,17 @@ def main(args):
         if not ask:
             return [], []
         if pool is None:
-            requests = [colbench.human_messages(ep["task"], ep["dialogue"], args.task_type, prompts=templates) for ep in ask]
+            requests = [colbench.human_messages(ep["task"], ep["dialogue"], args.task_type, prompts=templates)
+                        for ep in ask]
         else:  # render the target (once) and the agent's snippet, if its turn has one, for the human
-            new = {ep["task"]["task_id"]: ep["task"]["ground_truth"] for ep in ask if ep["task"]["task_id"] not in targets}
+            new = {ep["task"]["task_id"]: ep["task"]["ground_truth"] for ep in ask
+                   if ep["task"]["task_id"] not in targets}
             targets.update(zip(new, (img for img, _ in pool.render_many(list(new.values()), kept=True))))
             snippets = [render.extract_html(ep["dialogue"][-1]["content"]) for ep in ask]
             renders = pool.render_many([s for s in snippets if s])
             agent_imgs = [renders.pop(0)[0] if s else None for s in snippets]
-            requests = [colbench.human_messages(ep["task"], ep["dialogue"], "html", img, targets[ep["task"]["task_id"]], templates)
+            requests = [colbench.human_messages(ep["task"], ep["dialogue"], "html", img, targets[ep["task"]["task_id"]],
+                                                templates)
                         for ep, img in zip(ask, agent_imgs)]
         replies = human.chat_many(requests, errors=True, temperature=0.0, max_tokens=256)
         going, failed = [], []
@@ -329,7 +344,8 @@ def main(args):
         going, failed = human_turn(resumed)
         active += going
         done += failed
-        prompts = [models.render_prompt(agent.tok, colbench.agent_messages(ep["task"], ep["dialogue"], args.task_type, templates))
+        prompts = [models.render_prompt(agent.tok, colbench.agent_messages(ep["task"], ep["dialogue"], args.task_type,
+                                                                           templates))
                    for ep in active]
         too_long = [len(agent.tok(p, add_special_tokens=False)["input_ids"]) > args.max_prompt_tokens for p in prompts]
         ok = [i for i, bad in enumerate(too_long) if not bad]

@@ -123,8 +123,8 @@ def main():
         if t in seqs:
             return '["' + seqs[t] + '",[' + ",".join([enc(v, budget, depth + 1) for v in x]) + "]]"
         if t in maps:
-            return '["' + maps[t] + '",[' + ",".join(["[" + enc(k, budget, depth + 1) + "," + enc(v, budget, depth + 1) + "]"
-                                                     for k, v in dict_items(x)]) + "]]"
+            pairs = ["[" + enc(k, budget, depth + 1) + "," + enc(v, budget, depth + 1) + "]" for k, v in dict_items(x)]
+            return '["' + maps[t] + '",[' + ",".join(pairs) + "]]"
         if issub(t, Tuple) and plain_tuple(t):  # a namedtuple
             return '["tuple",[' + ",".join([enc(v, budget, depth + 1) for v in tuple_iter(x)]) + "]]"
         if t is TD:
@@ -144,7 +144,8 @@ def main():
         if t is Dec:
             return '["Decimal",' + esc(dec_str(x)) + "]"
         if t is Frac:
-            return '["Fraction",[' + enc(x.numerator, budget, depth + 1) + "," + enc(x.denominator, budget, depth + 1) + "]]"
+            parts = enc(x.numerator, budget, depth + 1) + "," + enc(x.denominator, budget, depth + 1)
+            return '["Fraction",[' + parts + "]]"
         if np is not None and t in np_scalars:
             return '["np",[' + esc(dtype_str(np.dtype(t))) + "," + enc(np_item(x), budget, depth + 1) + "]]"
         if np is not None and t is nd and nd_dtype(x).kind in "biufcU":
@@ -514,8 +515,8 @@ _KNOWN_TYPES.update({f"datetime.{c.__name__}": c for c in (datetime.datetime, da
                                                             datetime.timedelta, datetime.timezone)})
 _KNOWN_TYPES.update({"decimal.Decimal": decimal.Decimal, "fractions.Fraction": fractions.Fraction})
 _KNOWN_TYPES.update({f"collections.{n}": getattr(collections, n) for n in ("Counter", "OrderedDict", "defaultdict")})
-_MAPS = {"dict": dict, "Counter": lambda items: collections.Counter(dict(items)), "OrderedDict": collections.OrderedDict,
-         "defaultdict": lambda items: collections.defaultdict(None, items)}
+_MAPS = {"dict": dict, "Counter": lambda items: collections.Counter(dict(items)),
+         "OrderedDict": collections.OrderedDict, "defaultdict": lambda items: collections.defaultdict(None, items)}
 
 
 def _decode(node):

@@ -57,7 +57,7 @@ class ScriptedBackend:
             images = [render.data_url_to_image(p["image_url"]["url"]) for p in last
                       if isinstance(p, dict) and p.get("type") == "image_url"]
             texts = [p.get("text", "") for p in last if isinstance(p, dict) and p.get("type") == "text"]
-            if hidden is not None:  # a page with hidden design facts (ours): a draft gets one fact, a question its lines
+            if hidden is not None:  # a page with hidden design facts (ours): a draft gets one fact, a question lines
                 if len(images) > 1:  # the hidden facts, then those of its request (in the system prompt)
                     request = system.split("HIDDEN INFORMATION", 1)[0]
                     return colbench.draft_reply(hidden, render.design_features(images[0]), colbench.design_in(request))

@@ -7,7 +7,8 @@ each labelled state lists its candidate turns by advantage, chosen and rejected 
 true class on procedural tasks. Html tasks show the target and answer renders.
 
     python view.py --trajectories runs/default/test_sweet_rl_graded.jsonl --output report.html
-    python view.py --trajectories zero_shot=ZS_GRADED,sweet_rl=SWEET_GRADED --states RUN/pairs.jsonl.states.jsonl --critic RUN/critic --output report.html
+    python view.py --trajectories zero_shot=ZS_GRADED,sweet_rl=SWEET_GRADED --states RUN/pairs.jsonl.states.jsonl \
+        --critic RUN/critic --output report.html
 """
 from __future__ import annotations
 
@@ -61,8 +62,10 @@ def renders(rows):
     import render
     with render.RenderPool(2) as pool:
         targets = {r["task_id"]: r["task"]["ground_truth"] for r in rows}
-        target_imgs = dict(zip(targets, (render.image_to_data_url(i, 1200) for i, _ in pool.render_many(list(targets.values())))))
-        answers = [render.image_to_data_url(i, 1200) for i, _ in pool.render_many([r.get("answer") or "" for r in rows])]
+        pages = pool.render_many(list(targets.values()))
+        target_imgs = dict(zip(targets, (render.image_to_data_url(i, 1200) for i, _ in pages)))
+        pages = pool.render_many([r.get("answer") or "" for r in rows])
+        answers = [render.image_to_data_url(i, 1200) for i, _ in pages]
     return target_imgs, answers
 
 
@@ -72,7 +75,8 @@ def dialogue_html(r, method, advantages, scale, states, images):
     parts = [f'<div class="dlg" data-task="{e(r["task_id"])}" data-method="{e(method)}" data-success="{int(ok)}">',
              f'<h3>{e(method)} &middot; task {e(r["task_id"][:10])} &middot; sample {r.get("sample", 0)} &middot; '
              f'{"success" if ok else "failure"} &middot; reward {r.get("reward", 0):.2f}</h3>',
-             f'<details><summary>hidden information</summary><pre>{e(r["task"].get("hidden_information", ""))}</pre></details>']
+             f'<details><summary>hidden information</summary>'
+             f'<pre>{e(r["task"].get("hidden_information", ""))}</pre></details>']
     turn = 0
     for m in r["dialogue_history"]:
         if m["role"] == "assistant" and "input" in m:
@@ -80,7 +84,8 @@ def dialogue_html(r, method, advantages, scale, states, images):
             style = f' style="background:{colour(adv, scale)}"' if adv is not None else ""
             label = f'<span class="adv">A = {adv:+.4f}</span>' if adv is not None else ""
             attr = f' data-adv="{adv:.6f}"' if adv is not None else ""
-            parts.append(f'<div class="msg agent"{attr}{style}><b>agent, turn {turn + 1}</b> {label}<pre>{e(m["content"])}</pre></div>')
+            parts.append(f'<div class="msg agent"{attr}{style}><b>agent, turn {turn + 1}</b> {label}'
+                         f'<pre>{e(m["content"])}</pre></div>')
             st = states.get((r["task_id"], r.get("sample", 0), turn))
             if st:
                 parts.append(state_html(st, scale))
@@ -105,27 +110,37 @@ def state_html(st, scale):
         rows.append(f'<tr style="background:{colour(st["advantages"][i], scale)}"><td>{st["advantages"][i]:+.4f}</td>'
                     f'<td>{e(marks)}</td><td>{e(cls or "")}</td><td><pre>{e(st["candidates"][i])}</pre></td></tr>')
     return (f'<details class="state" open><summary>{len(order)} candidate turns at this state (label_turns)</summary>'
-            f'<table><tr><th>advantage</th><th>pair</th><th>true class</th><th>candidate</th></tr>{"".join(rows)}</table></details>')
+            f'<table><tr><th>advantage</th><th>pair</th><th>true class</th><th>candidate</th></tr>{"".join(rows)}'
+            f'</table></details>')
 
 
 PAGE = """<!DOCTYPE html><html><head><meta charset="utf-8"><title>SWEET-RL trajectories</title><style>
-body{font-family:sans-serif;margin:20px;max-width:1100px} .dlg{border:1px solid #bbb;border-radius:6px;margin:14px 0;padding:8px 12px}
+body{font-family:sans-serif;margin:20px;max-width:1100px}
+.dlg{border:1px solid #bbb;border-radius:6px;margin:14px 0;padding:8px 12px}
 .msg{margin:6px 0;padding:6px 10px;border-radius:6px;border:1px solid #ddd} .human{background:#eef3fb;margin-right:25%}
-.agent{margin-left:25%;background:#fff} pre{white-space:pre-wrap;margin:4px 0;font-size:13px} .adv{float:right;font-family:monospace}
-table{border-collapse:collapse;width:100%;font-size:13px} td,th{border:1px solid #ccc;padding:3px 6px;vertical-align:top}
-.pages{display:flex;gap:10px} .pages img{max-width:520px;border:1px solid #999} #bar{position:sticky;top:0;background:#fafafa;padding:8px;border-bottom:1px solid #ccc}
+.agent{margin-left:25%;background:#fff} pre{white-space:pre-wrap;margin:4px 0;font-size:13px}
+.adv{float:right;font-family:monospace}
+table{border-collapse:collapse;width:100%;font-size:13px}
+td,th{border:1px solid #ccc;padding:3px 6px;vertical-align:top}
+.pages{display:flex;gap:10px} .pages img{max-width:520px;border:1px solid #999}
+#bar{position:sticky;top:0;background:#fafafa;padding:8px;border-bottom:1px solid #ccc}
 .legend span{padding:2px 8px;margin-right:4px}
 </style></head><body>
 <h1>SWEET-RL trajectories</h1><p>__SUMMARY__</p>
 <div id="bar">task <input id="task" placeholder="task id"> outcome <select id="succ"><option value="">all</option>
-<option value="1">success</option><option value="0">failure</option></select> method <select id="method"><option value="">all</option>__METHODS__</select>
+<option value="1">success</option><option value="0">failure</option></select>
+method <select id="method"><option value="">all</option>__METHODS__</select>
 <span id="count"></span> <span class="legend">__LEGEND__</span></div>
 __DIALOGUES__
 <script>
-function filt(){const t=document.getElementById('task').value.trim(),s=document.getElementById('succ').value,m=document.getElementById('method').value;
-let n=0;for(const d of document.querySelectorAll('.dlg')){const show=(!t||d.dataset.task.startsWith(t))&&(!s||d.dataset.success===s)&&(!m||d.dataset.method===m);
+function filt(){const t=document.getElementById('task').value.trim(),s=document.getElementById('succ').value,
+m=document.getElementById('method').value;
+let n=0;for(const d of document.querySelectorAll('.dlg')){
+const show=(!t||d.dataset.task.startsWith(t))&&(!s||d.dataset.success===s)&&(!m||d.dataset.method===m);
 d.style.display=show?'':'none';n+=show}document.getElementById('count').textContent=n+' dialogues shown'}
-for(const id of ['task','succ','method'])for(const ev of ['input','change'])document.getElementById(id).addEventListener(ev,filt);filt();
+for(const id of ['task','succ','method'])for(const ev of ['input','change'])
+document.getElementById(id).addEventListener(ev,filt);
+filt();
 </script></body></html>"""
 
 
@@ -162,8 +177,10 @@ def main(args):
     for name, path in files.items():  # dialogues with a labelled state first, then file order
         rows = colbench.load_graded(path)
         totals[name] = (len(rows), sum(bool(r.get("success")) for r in rows))
-        runs[name] = sorted(rows, key=lambda r: (r["task_id"], r.get("sample", 0)) not in labelled)[: args.max_dialogues]
-    advantages = {name: turn_advantages(rows, args.critic) if args.critic else [None] * len(rows) for name, rows in runs.items()}
+        runs[name] = sorted(rows, key=lambda r: (r["task_id"], r.get("sample", 0)) not in labelled)
+        runs[name] = runs[name][: args.max_dialogues]
+    advantages = {name: turn_advantages(rows, args.critic) if args.critic else [None] * len(rows)
+                  for name, rows in runs.items()}
     values = [abs(a) for v in advantages.values() for adv in v if adv for a in adv] + \
              [abs(a) for s in states.values() for a in s["advantages"]]
     scale = sorted(values)[int(0.95 * (len(values) - 1))] if values else 1.0  # colours saturate at the 95th percentile
@@ -173,11 +190,12 @@ def main(args):
         for i, r in enumerate(rows):
             pics = (images[0][r["task_id"]], images[1][i]) if images else None
             blocks.append(dialogue_html(r, name, advantages[name][i], scale, states, pics))
-    summary = ", ".join(f"{name}: {100 * totals[name][1] / totals[name][0]:.1f}% success over {totals[name][0]} dialogues, "
-                        f"{len(rows)} shown" for name, rows in runs.items())
+    summary = ", ".join(f"{name}: {100 * totals[name][1] / totals[name][0]:.1f}% success over {totals[name][0]} "
+                        f"dialogues, {len(rows)} shown" for name, rows in runs.items())
     summary += f"; {len(states)} labelled states" if states else ""
     summary += f"; turn colours: advantage from the critic {html.escape(args.critic)}" if args.critic else ""
-    legend = "".join(f'<span style="background:{colour(x * scale, scale)}">{x * scale:+.3f}</span>' for x in (-1, -0.5, 0, 0.5, 1))
+    legend = "".join(f'<span style="background:{colour(x * scale, scale)}">{x * scale:+.3f}</span>'
+                     for x in (-1, -0.5, 0, 0.5, 1))
     page = (PAGE.replace("__SUMMARY__", summary).replace("__LEGEND__", legend)
             .replace("__METHODS__", "".join(f'<option>{html.escape(n)}</option>' for n in runs))
             .replace("__DIALOGUES__", "\n".join(blocks)))

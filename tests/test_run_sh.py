@@ -77,8 +77,8 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
     assert all(sum(r["mc_candidate"] == c and r["mc_state"] == st for r in mc) == (1 if ex else 16)
                for st, c, ex in {(tuple(r["mc_state"]), r["mc_candidate"], r["exact"]) for r in mc} for st in [list(st)])
     assert len(read(run / "pairs.jsonl.mc_graded.jsonl")) == len(mc)
-    # procedural code tasks: the curriculum's budget of 4 agent turns, in rollouts, labelling and the values alike
-    for f in ("test_zero_shot.jsonl", "pairs.jsonl", "pairs.jsonl.mc_rollouts.jsonl"):
+    # procedural code tasks: the curriculum's budget of 4 agent turns, in rollouts, the turn classes and the values
+    for f in ("test_zero_shot.jsonl", "pairs.jsonl.credit", "pairs.jsonl.mc_rollouts.jsonl"):
         assert json.loads((run / f"{f}.run_settings.json").read_text())["max_turns"] == 4, f
     assert res["credit_pairs"] == report["credit_pairs"] and res.get("credit_kind_order") == report["credit_kind_order"]
     settings = json.loads((run / "critic" / "run_settings.json").read_text())

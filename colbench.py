@@ -26,6 +26,21 @@ TASK_FIELDS = {
 }
 
 
+def task_identity(task):
+    """What makes two tasks the same task, wherever tasks are kept apart (test, train, warm-up, validation): the
+    same description and the same hidden information (a page without any: its target page), whatever their tests.
+    A digest."""
+    hidden = task.get("hidden_information") or task.get("ground_truth")
+    blob = json.dumps([task.get("problem_description"), hidden], ensure_ascii=False)
+    return hashlib.sha1(blob.encode()).hexdigest()
+
+
+def task_split(task):
+    """'test' for a fifth of all procedural tasks (by task_identity), 'train' for the rest: a task that one draw
+    tests on is never a task another draw trains, warms up or validates on, whatever the seeds."""
+    return "test" if int(task_identity(task), 16) % 5 == 0 else "train"
+
+
 def task_id(task):
     """The task's own id if it has one, else a stable id derived from its content."""
     if task.get("task_id"):

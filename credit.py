@@ -1,12 +1,14 @@
 """Turn credit: how well a critic ranks candidate turns, checked against what the reward decides.
 
-**credit_accuracy** (the metric): on a fixed sample of labelled states, every candidate's value under
-the policy that sampled it, by Monte Carlo: an answer ends the dialogue and is graded once (exact); any
-other turn is continued --continuations (16) times by that policy with the human (rollout.py --prefixes)
-and its value is the mean outcome (code: all tests pass; html: the similarity). Only pairs whose values
-differ significantly count; a critic scores the share it orders the same way (ties half). Beside it:
-the estimate's own split-half agreement (two halves of the continuations; the ceiling) and the best
-state-blind order of turn kinds on the same pairs (what a blanket preference earns).
+**credit_accuracy** (the metric): the share of the pairs of candidate turns whose order the reward decides that a
+critic orders the same way (ties half), with a 95% interval (the states resampled), by kind of pair. Two kinds of
+decided pairs: in every labelled state of a code task, two answers whose grades differ (an answer ends the dialogue,
+so its grade is its outcome: exact, at the cost of grading); and on a fixed sample of labelled states, every
+candidate's value under the policy that sampled it, by Monte Carlo: an answer graded once, any other turn continued
+--continuations (16) times by that policy with the human (rollout.py --prefixes), its value the mean outcome (code:
+all tests pass; html: the similarity), and only pairs whose values differ significantly count. Beside it: the
+values' split-half agreement (two halves of the continuations; the ceiling) and the best state-blind order of turn
+kinds on the same pairs (what a blanket preference earns).
 
     python credit.py --pairs RUN/pairs.jsonl --trajectories RUN/train_graded.jsonl --max_turns 5
     python rollout.py --prefixes RUN/pairs.jsonl.mc.jsonl --output RUN/pairs.jsonl.mc_rollouts.jsonl ...
@@ -43,7 +45,27 @@ class TrueClasses:
     per task, in the sandbox); on procedural pages, from the design features of each page's render."""
 
     def __init__(self, max_turns):
-        self.max_turns, self.gt_results, self.pool, self.features = max_turns, {}, None, {}
+        self.max_turns, self.gt_results, self.pool, self.features, self.graded = max_turns, {}, None, {}, {}
+
+    def passes(self, task, code):
+        """Whether code passes every test of a code task (the ground truth run once a task; each code once)."""
+        if task["task_id"] not in self.gt_results:
+            self.gt_results[task["task_id"]] = sandbox.run_calls(task["ground_truth"], list(task["test_cases"].items()))
+        if (task["task_id"], code) not in self.graded:
+            graded = sandbox.grade_code(task, code, gt_results=self.gt_results[task["task_id"]])
+            self.graded[task["task_id"], code] = graded["success"]
+        return self.graded[task["task_id"], code]
+
+    def grades(self, traj, turn, candidates):
+        """[[index, passes]] for the first of each distinct answer among a code task's candidates: an answer ends the
+        dialogue, so its grade is its outcome, and two answers of different grades are ordered by the reward."""
+        task, first = traj["task"], {}
+        if "test_cases" not in task:
+            return []
+        for i, c in enumerate(candidates):
+            if is_answer(c, turn, self.max_turns):
+                first.setdefault(c, i)
+        return [[i, self.passes(task, colbench.extract_answer(c))] for c, i in first.items()]
 
     def page_features(self, html):
         """render.design_features of a page's render (one headless browser, started on first use; cached)."""
@@ -66,10 +88,8 @@ class TrueClasses:
                     for c in candidates]
         if "family" not in task or "test_cases" not in task:
             return None
-        if task["task_id"] not in self.gt_results:
-            self.gt_results[task["task_id"]] = sandbox.run_calls(task["ground_truth"], list(task["test_cases"].items()))
-        grade = lambda code: sandbox.grade_code(task, code, gt_results=self.gt_results[task["task_id"]])["success"]
         before = state_dialogue(traj, turn)
+        grade = lambda code: self.passes(task, code)
         return [turn_class(task, before, c, turn >= self.max_turns - 1, grade) for c in candidates]
 
 
@@ -212,11 +232,14 @@ def labelled_states(pairs):
     turn, since log pi_ref - log pi_ref = 0)."""
     path, classes = Path(f"{pairs}.states.jsonl"), Path(f"{pairs}.classes.jsonl")
     states = [r for _, r in common.read_jsonl(path)] if path.exists() else []
-    known = {(r["task_id"], r["sample"], r["turn"]): r["classes"] for _, r in common.read_jsonl(classes, True)} \
+    known = {(r["task_id"], r["sample"], r["turn"]): r for _, r in common.read_jsonl(classes, True)} \
         if classes.exists() else {}
     for s in states:
-        if known.get((s["task_id"], s["sample"], s["turn"])):
-            s["classes"] = known[(s["task_id"], s["sample"], s["turn"])]
+        row = known.get((s["task_id"], s["sample"], s["turn"]), {})
+        if row.get("classes"):
+            s["classes"] = row["classes"]
+        if row.get("grades"):
+            s["grades"] = row["grades"]
         s["advantages_by_critic"] = {"sweet": s["advantages"], **s.get("advantages_by_critic", {}),
                                      "untrained": [0.0] * len(s["candidates"])}
     return states
@@ -229,8 +252,9 @@ def report(out_path):
     states = labelled_states(out_path)
     critics = list(dict.fromkeys(k for s in states for k in s["advantages_by_critic"] if k != "untrained"))
     report = {"states": len(states), "states_with_classes": sum("classes" in s for s in states), "lines": []}
-    if Path(mc_paths(out_path)[2]).exists():
-        report.update(mc_report(states, mc_values(out_path), critics))
+    values = mc_values(out_path) if Path(mc_paths(out_path)[2]).exists() else {}
+    if values or any(s.get("grades") for s in states):  # pairs the reward can decide
+        report.update(decided_report(states, values, critics))
         report["lines"].append(mc_line(report))
     if report["states_with_classes"]:
         report.update(accuracies(states, critics))
@@ -248,8 +272,8 @@ def report(out_path):
 
 
 def classify(pairs, trajectories, max_turns):
-    """Every labelled state's true classes (TrueClasses; null where the task has none) in PAIRS.classes.jsonl,
-    a row a state as it is done: a rerun classifies only the states still missing."""
+    """Every labelled state's true classes (TrueClasses; null where the task has none) and its answers' grades (code
+    tasks) in PAIRS.classes.jsonl, a row a state as it is done: a rerun classifies only the states still missing."""
     key = lambda r: (r["task_id"], r["sample"], r["turn"])
     out = common.ResumableWriter(Path(f"{pairs}.classes.jsonl"), key)
     trajs = {(t["task_id"], t.get("sample", 0)): t for t in trajectories}
@@ -258,8 +282,10 @@ def classify(pairs, trajectories, max_turns):
     for s in common.tqdm_if(todo, bool(todo), "true classes"):
         if (s["task_id"], s["sample"]) not in trajs:
             raise common.DataError(f"{pairs}.states.jsonl: state {key(s)} has no dialogue in --trajectories")
-        classes = truth(trajs[(s["task_id"], s["sample"])], s["turn"], s["candidates"])
-        out.write({"task_id": s["task_id"], "sample": s["sample"], "turn": s["turn"], "classes": classes})
+        traj = trajs[(s["task_id"], s["sample"])]
+        out.write({"task_id": s["task_id"], "sample": s["sample"], "turn": s["turn"],
+                   "classes": truth(traj, s["turn"], s["candidates"]),
+                   "grades": truth.grades(traj, s["turn"], s["candidates"])})
     truth.close()
     out.close()
 
@@ -342,36 +368,79 @@ def decided_pairs(values, z=1.96):
     return out
 
 
-def mc_report(states, values, critics):
-    """credit_accuracy of every critic on the decided pairs, with the split-half agreement, the best state-blind
-    order of turn kinds and the pairs by kind."""
+def exact_pairs(states, skip=()):
+    """[(state key, better, worse, 1.0)] for every two answers of a labelled state whose grades differ (code tasks;
+    the answers' grades from classify): the reward orders them exactly, at no cost beyond grading. The states
+    valued by continuations (skip) are left to decided_pairs, which grades their answers the same way."""
+    out = []
+    for s in states:
+        key = (s["task_id"], s["sample"], s["turn"])
+        if key not in skip:
+            grades = itertools.permutations(s.get("grades", []), 2)
+            out += [(key, i, j, 1.0) for (i, a), (j, b) in grades if a and not b]
+    return out
+
+
+def bootstrap_over_states(hits, n=2000, seed=0):
+    """95% interval of an accuracy whose pairs come in states ({state: [hit, ...]}): the states resampled."""
+    rng, keys, accs = random.Random(seed), list(hits), []
+    for _ in range(n):
+        sample = [h for k in (rng.choice(keys) for _ in keys) for h in hits[k]]
+        accs.append(sum(sample) / len(sample))
+    accs.sort()
+    return [accs[int(0.025 * n)], accs[int(0.975 * n) - 1]]
+
+
+def decided_report(states, values, critics):
+    """credit_accuracy of every critic on the pairs the reward decides: two answers of different grades (exact, in
+    every labelled state of a code task) and the pairs the Monte-Carlo values of the valued states decide; each with
+    its 95% interval (states resampled), by kind of pair, beside the split-half agreement of the values (the
+    ceiling) and the best state-blind order of turn kinds on the same pairs."""
     by_key = {(s["task_id"], s["sample"], s["turn"]): s for s in states}
-    decided = [d for d in decided_pairs(values) if d[0] in by_key]
+    valued = [d for d in decided_pairs(values) if d[0] in by_key]
+    decided = exact_pairs(states, skip=set(values)) + valued
     hit = lambda adv, i, j: 1.0 if adv[i] > adv[j] else 0.5 if adv[i] == adv[j] else 0.0
-    acc = {}
+    answers = {k: {i for i, _ in by_key[k].get("grades", [])} | {i for i, (exact, _) in values.get(k, {}).items()
+                                                                 if exact} for k in by_key}  # the last turn's too
+    kind = lambda k, i: "answer" if i in answers[k] else colbench.turn_kind(by_key[k]["candidates"][i])
+    acc, ci, by_kind = {}, {}, {}
     for name in [*critics, "untrained"]:
         adv = lambda s: ([0.0] * len(s["candidates"]) if name == "untrained"
                          else s.get("advantages_by_critic", {}).get(name))
-        hits = [hit(adv(by_key[k]), i, j) for k, i, j, _ in decided if adv(by_key[k]) is not None]
-        acc[name] = sum(hits) / len(hits) if hits else None
-    kind = lambda k, i: colbench.turn_kind(by_key[k]["candidates"][i])
+        hits = {}
+        for k, i, j, _ in decided:
+            if adv(by_key[k]) is not None:
+                hits.setdefault(k, []).append(hit(adv(by_key[k]), i, j))
+                by_kind.setdefault(f"{kind(k, i)} > {kind(k, j)}", {}).setdefault(name, []).append(hits[k][-1])
+        flat = [h for v in hits.values() for h in v]
+        acc[name] = sum(flat) / len(flat) if flat else None
+        ci[name] = bootstrap_over_states(hits) if flat else None
     best = best_kind_order([(kind(k, i), kind(k, j)) for k, i, j, _ in decided])
-    split = {}
-    for k, i, j, _ in decided:
-        split[f"{kind(k, i)} > {kind(k, j)}"] = split.get(f"{kind(k, i)} > {kind(k, j)}", 0) + 1
-    return {"credit_accuracy": acc, "credit_pairs": len(decided), "credit_states": len(values),
-            "credit_split_half": sum(d[3] for d in decided) / len(decided) if decided else None,
-            "credit_kind_order": best, "credit_pairs_by_kind": dict(sorted(split.items()))}
+    return {"credit_accuracy": acc, "credit_accuracy_ci95": ci, "credit_pairs": len(decided),
+            "credit_pairs_exact": len(decided) - len(valued), "credit_states": len(values),
+            "credit_split_half": sum(d[3] for d in valued) / len(valued) if valued else None,
+            "credit_kind_order": best,
+            "credit_pairs_by_kind": {k: len(next(iter(v.values()))) for k, v in sorted(by_kind.items())},
+            "credit_by_kind": {k: {name: round(sum(h) / len(h), 4) for name, h in v.items()}
+                               for k, v in sorted(by_kind.items())}}
 
 
 def mc_line(r):
-    """credit_accuracy with its ceiling and the state-blind baseline, in words."""
+    """credit_accuracy with its interval, its ceiling and the state-blind baseline, in words."""
     if not r.get("credit_pairs"):
-        return f"turn-credit accuracy: no pair of candidates the reward decides on {r.get('credit_states', 0)} states"
-    return (f"turn-credit accuracy on the {r['credit_pairs']} pairs the reward decides: "
-            f"{accuracy_line(r['credit_accuracy'])}"
-            f"\n  split-half agreement of the values (the ceiling) {r['credit_split_half']:.3f}; "
-            + kind_order_line(r["credit_kind_order"]))
+        return (f"turn-credit accuracy: no pair of candidates the reward decides "
+                f"({r.get('credit_states', 0)} states valued)")
+    ci = lambda name: "[{:.3f}, {:.3f}]".format(*r["credit_accuracy_ci95"][name]) if r["credit_accuracy_ci95"][name] \
+        else ""
+    half = r["credit_split_half"]
+    return (f"turn-credit accuracy on the {r['credit_pairs']} pairs the reward decides ({r['credit_pairs_exact']} "
+            f"answers of different grades, {r['credit_pairs'] - r['credit_pairs_exact']} by the values of "
+            f"{r['credit_states']} states): "
+            + ", ".join(f"{k} {v:.3f} {ci(k)}" if v is not None else f"{k} -" for k, v in r["credit_accuracy"].items())
+            + (f"\n  split-half agreement of the values (the ceiling) {half:.3f}" if half is not None else "")
+            + "\n  " + kind_order_line(r["credit_kind_order"])
+            + "".join(f"\n  {k} ({r['credit_pairs_by_kind'][k]}): " + ", ".join(f"{n} {a:.3f}" for n, a in v.items())
+                      for k, v in r["credit_by_kind"].items()))
 
 
 @dataclass

@@ -45,7 +45,11 @@ class Args:
     input: str = ""
     """file source: a ColBench JSONL or a `datasets` directory saved on disk"""
     exclude: str = ""
-    """drop any task that also appears (same task_id) in these task files (comma-separated), e.g. the test split"""
+    """drop any task that also appears in these task files (comma-separated), e.g. the test split: the same
+    description and hidden information is the same task (colbench.task_identity), whatever its tests"""
+    split: str = "all"
+    """procedural: test | train | all. The procedural tasks are split once by their identity (a fifth test): tasks
+    of --split test are never tasks of --split train, whatever the seeds (run.sh: test tasks test, the rest train)"""
     workers: int = 8
     """parallel sandboxed checks of ground truths"""
 
@@ -232,25 +236,29 @@ def main(args):
     if args.task_type not in ("code", "html"):
         sys.exit(f"--task_type {args.task_type}: choose code or html")
     common.check_writable(args.output)
-    exclude = {t["task_id"] for f in filter(None, args.exclude.split(","))
+    common.refuse(args.split not in ("test", "train", "all") and f"--split {args.split}: choose test, train or all",
+                  args.split != "all" and args.source != "procedural"
+                  and "--split is for procedural tasks (a ColBench file is split already)")
+    exclude = {colbench.task_identity(t) for f in filter(None, args.exclude.split(","))
                for t in colbench.load_tasks(f, args.task_type)}
     if args.source == "procedural":
         make = procedural_page if args.task_type == "html" else procedural_task
         rng, tasks, seen = random.Random(args.seed), [], set(exclude)
-        for _ in range(args.num_tasks * 50):
+        for _ in range(args.num_tasks * 250):  # a fifth of the draws are test tasks
             if len(tasks) == args.num_tasks:
                 break
             t = make(rng)
             t["task_id"] = colbench.task_id(t)
-            if t["task_id"] not in seen:
-                seen.add(t["task_id"])
+            if colbench.task_identity(t) not in seen and args.split in ("all", colbench.task_split(t)):
+                seen.add(colbench.task_identity(t))
                 tasks.append(t)
         if args.task_type == "code":
             tasks = keep_runnable(tasks, args.workers)
     elif args.source == "file":
         if not args.input:
             sys.exit("--source file needs --input PATH")
-        tasks = [t for t in colbench.load_tasks(args.input, args.task_type) if t["task_id"] not in exclude]
+        tasks = [t for t in colbench.load_tasks(args.input, args.task_type)
+                 if colbench.task_identity(t) not in exclude]
         tasks = tasks[: args.num_tasks or None]
     else:
         sys.exit(f"--source {args.source}: choose procedural or file")

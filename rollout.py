@@ -1,4 +1,4 @@
-"""Roll out an agent collaborating with a simulated human on ColBench tasks.
+r"""Roll out an agent collaborating with a simulated human on ColBench tasks.
 
 Reads:  tasks JSONL (generate_tasks.py); talks to the simulated human over HTTP (simulator.py, or
         `vllm serve` of an LLM; for html a vision-language model shown the agent's rendered page and

@@ -73,20 +73,21 @@ gen() { local out=$1; shift; if [ -f "$out" ]; then echo "reusing $out"; else
 log "tasks"; G=$RUN/train_graded.jsonl
 T=$RUN/test_tasks.jsonl V=$RUN/val_tasks.jsonl; NOTV=$T$([ "$N_VAL" -gt 0 ] && echo ",$RUN/val_tasks.jsonl" || true)
 if [ -n "$TEST_TASKS" ]; then gen "$T" --source file --input "$TEST_TASKS" --num_tasks "$N_TEST"
-else gen "$T" --num_tasks "$N_TEST" --seed $((SEED + 1)); fi
+else gen "$T" --num_tasks "$N_TEST" --seed $((SEED + 1)) --split test; fi  # never a task any draw trains on
 if [ -n "$TRAIN_TASKS" ]; then  # validation = the first N_VAL train-file tasks, held out of training
   [ "$N_VAL" -gt 0 ] && gen "$V" --source file --input "$TRAIN_TASKS" --num_tasks "$N_VAL" --exclude "$T"
   gen "$RUN/train_tasks.jsonl" --source file --input "$TRAIN_TASKS" --num_tasks 0 --exclude "$NOTV"
 else
-  gen "$RUN/train_tasks.jsonl" --num_tasks "$N_TRAIN" --seed $((SEED + 2)) --exclude "$T"
-  [ "$N_VAL" -gt 0 ] && gen "$V" --num_tasks "$N_VAL" --seed $((SEED + 4)) --exclude "$T,$RUN/train_tasks.jsonl"
+  gen "$RUN/train_tasks.jsonl" --num_tasks "$N_TRAIN" --seed $((SEED + 2)) --split train
+  [ "$N_VAL" -gt 0 ] && gen "$V" --num_tasks "$N_VAL" --seed $((SEED + 4)) --split train \
+    --exclude "$RUN/train_tasks.jsonl"
 fi
 val_of() {  # val_of POLICY TAG: POLICY on the validation tasks (2 dialogues each); VAL_SUCCESS = its success
   rollout "$1" "$V" "$RUN/val_$2.jsonl" --samples 2; evaluate "$RUN/val_$2.jsonl" "val_$2"
   VAL_SUCCESS=$(field "$RUN/val_$2_summary.json" success_rate); }; POLICY=$MODEL VAL_START=start
 if [ "$N_WARMUP" -gt 0 ] && [ -z "$TRAIN_TASKS" ]; then
   log "protocol warm-up: SFT on oracle dialogues (the starting policy of every method; docs/curriculum.md)"
-  gen "$RUN/warmup_tasks.jsonl" --num_tasks "$N_WARMUP" --seed $((SEED + 3)) --exclude "$NOTV"
+  gen "$RUN/warmup_tasks.jsonl" --num_tasks "$N_WARMUP" --seed $((SEED + 3)) --split train --exclude "$NOTV"
   for try in $(seq 0 "$TRIES"); do  # calibration: redo the warm-up with another hasty share until the start lies in BAND
     sfx=$([ "$try" = 0 ] || echo "_hasty$HASTY")
     rollout "$MODEL" "$RUN/warmup_tasks.jsonl" "$RUN/warmup_oracle$sfx.jsonl" --agent_backend oracle --oracle_hasty "$HASTY" --oracle_mistake "$MISTAKE"

@@ -1,4 +1,4 @@
-"""A trajectory viewer for teaching: one self-contained static HTML page (opens offline).
+r"""A trajectory viewer for teaching: one self-contained static HTML page (opens offline).
 
 Each dialogue is a chat; with --critic every agent turn is coloured by its advantage A(o_t, a_t, c)
 (train_critic.dialogue_advantages, the critic against its pi_ref on c + o_t: exactly what it

@@ -290,13 +290,26 @@ def test_credit_accuracy_counts_only_the_pairs_the_reward_decides():
     states = [{"task_id": "t", "sample": 0, "turn": 1,
                "candidates": [f"{colbench.ANSWER_MARKER} a", f"{colbench.ANSWER_MARKER} b", "q1?", "q2?", f"{colbench.ANSWER_MARKER} c"],
                "advantages_by_critic": {"good": [3.0, 0.0, 1.0, 1.0, 3.0], "kinds": [0.0, 0.0, 1.0, 1.0, 0.0]}}]
-    r = credit.mc_report(states, values, ["good", "kinds"])
+    r = credit.decided_report(states, values, ["good", "kinds"])
     assert r["credit_pairs"] == 8 and r["credit_accuracy"]["good"] == 1.0 and r["credit_accuracy"]["untrained"] == 0.5
     # a question ranked over every answer: right on the 2 pairs a question wins, ties on the 2 of two answers
     assert r["credit_accuracy"]["kinds"] == pytest.approx((2 + 2 * 0.5) / 8)
     assert r["credit_kind_order"] == {"order": "answer > question", "accuracy": pytest.approx((4 + 2 * 0.5) / 8)}
     assert r["credit_split_half"] == 1.0
     assert r["credit_pairs_by_kind"] == {"answer > answer": 2, "answer > question": 4, "question > answer": 2}
+    assert r["credit_by_kind"]["question > answer"] == {"good": 1.0, "kinds": 1.0, "untrained": 0.5}
+    lo, hi = r["credit_accuracy_ci95"]["kinds"]  # one state: every resample is that state
+    assert lo == hi == pytest.approx(r["credit_accuracy"]["kinds"])
+    # every other labelled state: two answers of different grades are decided exactly, without continuations
+    other = {"task_id": "t", "sample": 1, "turn": 0, "candidates": ["a", "b", "q?", "c"],
+             "grades": [[0, False], [1, True], [3, True]], "advantages_by_critic": {"good": [0.0, 1.0, 5.0, -1.0]}}
+    r = credit.decided_report([*states, other], values, ["good"])
+    assert r["credit_pairs"] == 10 and r["credit_pairs_exact"] == 2  # b > a, c > a
+    assert r["credit_accuracy"]["good"] == pytest.approx(9 / 10)  # c > a is ordered wrong
+    assert r["credit_by_kind"]["answer > answer"]["good"] == pytest.approx(3 / 4)
+    lo, hi = r["credit_accuracy_ci95"]["good"]
+    assert lo == pytest.approx(0.5) and hi == 1.0  # the states resampled: the other state's 1/2 up to the first's 8/8
+    assert credit.exact_pairs([other], skip={("t", 1, 0)}) == []  # a valued state: its answers are in its values
     # halves that disagree lower the ceiling: 16 continuations whose even half all fail and odd half all pass
     flip = {key: {0: (False, [0.0, 1.0] * 8), 1: (True, [0.0])}}
     assert credit.decided_pairs(flip) == [(key, 0, 1, 0.5)]  # the even half ties the exact 0

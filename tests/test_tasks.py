@@ -31,6 +31,22 @@ def test_procedural_is_deterministic_and_splits_are_disjoint(tmp_path):
                "--output", tmp_path / "d.jsonl")
     d = read_jsonl(tmp_path / "d.jsonl")
     assert len(d) == 40 and not {t["task_id"] for t in a} & {t["task_id"] for t in d}  # --exclude guarantees disjoint splits
+    # a task is its description and hidden facts, whatever its tests: one with other tests is still excluded
+    a[0]["test_cases"] = {"other": "f(0)"}
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(t) + "\n" for t in a))
+    assert colbench.task_identity(a[0]) in {colbench.task_identity(t) for t in read_jsonl(tmp_path / "b.jsonl")}
+    run_script("generate_tasks.py", "--num_tasks", "40", "--seed", 3, "--exclude", tmp_path / "a.jsonl",
+               "--output", tmp_path / "e.jsonl")
+    e = read_jsonl(tmp_path / "e.jsonl")
+    assert not {colbench.task_identity(t) for t in a} & {colbench.task_identity(t) for t in e}
+    # --split: one draw's test tasks are never another draw's train tasks, whatever the seeds
+    for split, seed in [("test", 1), ("train", 1), ("train", 2)]:
+        run_script("generate_tasks.py", "--num_tasks", "30", "--seed", seed, "--split", split,
+                   "--output", tmp_path / f"{split}{seed}.jsonl")
+    test = {colbench.task_identity(t) for t in read_jsonl(tmp_path / "test1.jsonl")}
+    train = {colbench.task_identity(t) for s in (1, 2) for t in read_jsonl(tmp_path / f"train{s}.jsonl")}
+    assert len(test) == 30 and len(train) >= 30 and not test & train
+    assert {colbench.task_split(t) for t in read_jsonl(tmp_path / "test1.jsonl")} == {"test"}
     for t in a:
         assert t["problem_description"].split("The signature of the function is: def ")[1].startswith(t["ground_truth"][4:].split(":")[0])
         assert len(t["test_cases"]) == 10 and all(l.strip() for l in t["hidden_information"].splitlines())

@@ -16,12 +16,14 @@ SEED=${SEED:-0}                       # draws the train, warm-up and validation 
 SIMULATOR_URL=${SIMULATOR_URL:-} NPROC=${NPROC:-1}  # empty: the scripted human; GPUs per stage (torchrun, FSDP2, shards)
 AGENT_BACKEND=${AGENT_BACKEND:-}      # hf | vllm (empty: vllm for a non-embedded MODEL)
 BASELINES=${BASELINES:-0}             # 1: also multi-turn DPO and rejection fine-tuning
+ABLATIONS=${ABLATIONS:-0}             # 1: also the no-information critic, the Monte-Carlo values, the viewer's colours
 PROMPT_DIR=${PROMPT_DIR:-} CLIP_MODEL=${CLIP_MODEL:-}  # prompt templates replacing ours; html: a local CLIP model
 N_TRAIN=${N_TRAIN:-60} N_TEST=${N_TEST:-200} N_VAL=${N_VAL:-50} N_WARMUP=${N_WARMUP:-240}  # tasks (N_WARMUP=0: no warm-up)
 SAMPLES=${SAMPLES:-4} CANDIDATES=${CANDIDATES:-8}  # rollouts per train task; candidate turns per state (released: 3, 16)
 DATA_FRACTION=${DATA_FRACTION:-0.2}   # label_turns: share of train trajectories labelled (released: 0.1)
-MC_STATES=${MC_STATES:-$([ "${MODEL:-embedded}" = embedded ] && echo 12 || echo 0)}  # labelled states whose candidates
-# are valued by 16 continuations each (credit_accuracy; 0: none, the default at scale: ~400 dialogues of the 70B human)
+MC_STATES=${MC_STATES:-$([ "$ABLATIONS" = 1 ] && [ "${MODEL:-embedded}" = embedded ] && echo 12 || echo 0)}  # ABLATIONS=1:
+# labelled states whose candidates are valued by 16 continuations each (credit_accuracy; at scale ~400 dialogues of
+# the 70B human, so 0 unless set)
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-96}  # longest agent turn
 LR_CRITIC=${LR_CRITIC:-1e-4} LR_DPO=${LR_DPO:-6e-6}  # released: 2e-7 both
 TRAIN_TRAJECTORIES=${TRAIN_TRAJECTORIES:-}  # trajectories in the released schema to train from, instead of train rollouts
@@ -40,7 +42,7 @@ if [ -z "$AGENT_BACKEND" ]; then AGENT_BACKEND=hf
 HASTY=0.15 MISTAKE=0.2 BAND=0.25,0.55 TRIES=2 TURNS=10; [ "$TASK_TYPE" = html ] && HASTY=0.5 BAND=0.15,0.5 TRIES=1
 [ "$TASK_TYPE" = code ] && [ -z "$TRAIN_TASKS$TEST_TASKS" ] && TURNS=4
 echo "run.sh: run directory $RUN$([ -d "$RUN" ] && echo ' (exists: finished stages are reused)')"
-for v in TASK_TYPE SMALL SEED MODEL TRAIN_TASKS TEST_TASKS SIMULATOR_URL NPROC AGENT_BACKEND BASELINES PROMPT_DIR CLIP_MODEL \
+for v in TASK_TYPE SMALL SEED MODEL TRAIN_TASKS TEST_TASKS SIMULATOR_URL NPROC AGENT_BACKEND BASELINES ABLATIONS PROMPT_DIR CLIP_MODEL \
   N_TRAIN N_TEST N_VAL N_WARMUP SAMPLES CANDIDATES DATA_FRACTION MC_STATES MAX_NEW_TOKENS LR_CRITIC LR_DPO TRAIN_TRAJECTORIES; do
   printf '  %s=%s\n' "$v" "${!v-}"; done
 mkdir -p "$RUN"; free_kb=$(df -Pk "$RUN" | awk 'NR == 2 {print $4}')  # a whole embedded run writes 3.6 GB
@@ -122,7 +124,7 @@ log "SWEET-RL: critic -> turn labels -> turn-level DPO"
 critic() { train "$1" train_critic.py --trajectories "$G" --model "$POLICY" --lr "$LR_CRITIC" --epochs "$CRITIC_EPOCHS" \
   --task_type "$TASK_TYPE" --seed "$SEED" --train_layers "$TRAIN_LAYERS" "${@:2}"; }
 critic "$RUN/critic"  # the SWEET critic: sees c, sum of per-turn mean log-ratios (the paper's)
-ABLATION=(); if [ -z "$TRAIN_TASKS" ]; then  # procedural tasks: the no-information critic scores the same candidates
+ABLATION=(); if [ -z "$TRAIN_TASKS" ] && [ "$ABLATIONS" = 1 ]; then  # the no-information critic scores the same candidates
   critic "$RUN/critic_no_training_info" --no_training_info
   ABLATION=(--credit_critics "no_training_info=$RUN/critic_no_training_info"); fi
 sample "$RUN/pairs.jsonl" label_turns.py --trajectories "$G" --critic "$RUN/critic" --output "$RUN/pairs.jsonl" \
@@ -156,7 +158,8 @@ for m in $METHODS; do name=${m%%:*} policy=${m#*:} ref=()
 done
 log "results ($RUN)"; "$PY" evaluate.py --compare "$(IFS=,; echo "${runs[*]}")" --policies "$(IFS=,; echo "${pols[*]}")" \
   --credit "$RUN/pairs.jsonl" --summary "$RUN/results.json" | tee "$RUN/results.txt"
-# the teaching view: every test dialogue with its turns coloured by the critic, and the labelled states
+# the teaching view: the test dialogues and the labelled states (ABLATIONS=1: every turn coloured by the critic)
+COLOURS=(); [ "$ABLATIONS" = 1 ] && COLOURS=(--critic "$RUN/critic")
 "$PY" view.py --trajectories "$(IFS=,; echo "${runs[*]}"),train=$G" --states "$RUN/pairs.jsonl.states.jsonl" \
-  --critic "$RUN/critic" --task_type "$TASK_TYPE" --max_dialogues 40 --output "$RUN/report.html" && echo "open $RUN/report.html"
+  "${COLOURS[@]}" --task_type "$TASK_TYPE" --max_dialogues 40 --output "$RUN/report.html" && echo "open $RUN/report.html"
 log "done ($RUN)"

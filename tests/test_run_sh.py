@@ -34,7 +34,7 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
     env = {**os.environ, "PY": sys.executable, "RUN": str(tmp_path / "run"), "MODEL": tiny_model, "N_WARMUP": "0",
            "TRAIN_TRAJECTORIES": str(oracle_trajectories(tmp_path)), "N_TEST": "2", "N_VAL": "2", "CANDIDATES": "2",
            "DATA_FRACTION": "0.2", "MAX_NEW_TOKENS": "8", "BASELINES": "1", "LR_CRITIC": "1e-3", "LR_DPO": "1e-3", "MC_STATES": "1",
-           "OMP_NUM_THREADS": "1"}
+           "ABLATIONS": "1", "OMP_NUM_THREADS": "1"}
     p = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     run = tmp_path / "run"
@@ -101,7 +101,7 @@ def test_run_sh_html_loop(tiny_model, tmp_path):
     (exact designs) as train trajectories, html turn classes, selection by similarity and results.json."""
     env = {**os.environ, "PY": sys.executable, "RUN": str(tmp_path / "run"), "MODEL": tiny_model, "TASK_TYPE": "html",
            "N_WARMUP": "2", "TRAIN_TRAJECTORIES": str(oracle_trajectories(tmp_path, "html", 2)), "N_TEST": "2", "N_VAL": "2",
-           "CANDIDATES": "2", "DATA_FRACTION": "0.2", "MAX_NEW_TOKENS": "8", "LR_CRITIC": "1e-3", "LR_DPO": "1e-3", "MC_STATES": "0",
+           "CANDIDATES": "2", "DATA_FRACTION": "0.2", "MAX_NEW_TOKENS": "8", "LR_CRITIC": "1e-3", "LR_DPO": "1e-3",
            "OMP_NUM_THREADS": "1"}
     p = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
@@ -117,7 +117,8 @@ def test_run_sh_html_loop(tiny_model, tmp_path):
     m, p_ = res["methods"]["sweet_rl"], res["paired_vs_zero_shot"]["sweet_rl"]
     assert m["ci95"][0] <= m["similarity"] <= m["ci95"][1] and m["similarity"] == pytest.approx(s["similarity"])
     assert p_["win_rate"] == pytest.approx(s["win_rate"]) and p_["win_rate_ci95"][0] <= p_["win_rate"] <= p_["win_rate_ci95"][1]
-    assert set(res["class_accuracy"]) == {"sweet", "no_training_info", "untrained"}  # MC_STATES=0: no values, no credit_accuracy
+    # without ABLATIONS=1: no no-information critic, no Monte-Carlo values; pages have no exact answer pairs
+    assert set(res["class_accuracy"]) == {"sweet", "untrained"} and not (run / "critic_no_training_info").exists()
     assert "credit_accuracy" not in res and not (run / "pairs.jsonl.mc.jsonl").exists()
     states = credit.labelled_states(run / "pairs.jsonl")  # every labelled state has its true classes (credit.py)
     assert states and all(set(st["classes"]) <= {"good", "bad"} for st in states)

@@ -213,6 +213,15 @@ def bootstrap_ci(values, n_boot=10000, seed=0):
     return [float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))]
 
 
+def training_of(policy):
+    """{"training": ...}: how train_dpo.py made POLICY (its run_settings.json): the mode, the steps of the run and
+    the step this checkpoint holds, the batch, the learning rate and the loss's settings. {} for another model."""
+    f = Path(policy or "/") / "run_settings.json"
+    s = json.loads(f.read_text()) if f.is_file() else {}
+    keys = ("mode", "sft_on", "steps", "step", "batch_size", "lr", "beta", "nll_coef")
+    return {"training": {k: s[k] for k in keys if k in s}} if "mode" in s else {}
+
+
 def compare(args):
     """Each method's score with a 95% bootstrap interval over tasks, and its paired difference to the first
     method on the same tasks with its own interval. Code: success (mean over tasks of the per-task success
@@ -269,7 +278,7 @@ def compare(args):
         xs = [per_task[name][t] for t in tasks]
         last = {"exact_design": exact[name]} if name in exact else {} if html else {"tests_passed": tests[name]}
         res["methods"][name] = {score: sum(xs) / len(xs), "ci95": bootstrap_ci(xs, args.bootstrap), **last,
-                                "policy": policies.get(name, "")}
+                                "policy": policies.get(name, ""), **training_of(policies.get(name))}
         if name in outcomes:
             res["methods"][name]["outcomes"] = outcomes[name]
         res["methods"][name].update(length[name])

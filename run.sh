@@ -12,7 +12,7 @@ TRAIN_TASKS=${TRAIN_TASKS:-} TEST_TASKS=${TEST_TASKS:-}  # ColBench data (a JSON
 [ "$TASK_TYPE" = html ] && . config/html.sh
 MODEL=${MODEL:-embedded}              # the starting policy (HF path or id)
 RUN=${RUN:-runs/$([ "${SMALL:-0}" = 1 ] && echo small || echo default)}
-SEED=${SEED:-0}                       # draws the train, warm-up and validation tasks; test tasks use SEED+1
+SEED=${SEED:-0}                       # the draw: train tasks, sampling, critic, updates; test tasks use SEED+1
 SIMULATOR_URL=${SIMULATOR_URL:-} NPROC=${NPROC:-1}  # empty: the scripted human; GPUs per stage (torchrun, FSDP2, shards)
 AGENT_BACKEND=${AGENT_BACKEND:-}      # hf | vllm (empty: vllm for a non-embedded MODEL)
 BASELINES=${BASELINES:-0}             # 1: also multi-turn DPO and rejection fine-tuning
@@ -67,59 +67,71 @@ rollout() {  # rollout POLICY TASKS OUT [extra args, which win]
   sample "$3" rollout.py --agent_model "$1" --tasks "$2" --output "$3" --agent_backend "$AGENT_BACKEND" --simulator_url "$SIMULATOR_URL" \
     --temperature 1.0 --top_p 1.0 --max_new_tokens "$MAX_NEW_TOKENS" --max_turns "$TURNS" --batch_size 64 --seed "$SEED" --task_type "$TASK_TYPE" \
     ${PROMPT_DIR:+--prompt_dir "$PROMPT_DIR"} "${@:4}"; }
-evaluate() { "$PY" evaluate.py --input "$1" --output "$RUN/${2}_graded.jsonl" --summary "$RUN/${2}_summary.json" \
-  --task_type "$TASK_TYPE" --clip_model "$CLIP_MODEL" "${@:3}"; }  # evaluate IN NAME [extra]
+evaluate() { "$PY" evaluate.py --input "$1" --output "${2}_graded.jsonl" --summary "${2}_summary.json" \
+  --task_type "$TASK_TYPE" --clip_model "$CLIP_MODEL" "${@:3}"; }  # evaluate IN OUT (OUT_graded.jsonl) [extra]
 field() { "$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$1" "$2"; }
 gen() { local out=$1; shift; if [ -f "$out" ]; then echo "reusing $out"; else
   "$PY" generate_tasks.py --task_type "$TASK_TYPE" --output "$out" "$@"; fi; }
-log "tasks"; G=$RUN/train_graded.jsonl
-T=$RUN/test_tasks.jsonl V=$RUN/val_tasks.jsonl; NOTV=$T$([ "$N_VAL" -gt 0 ] && echo ",$RUN/val_tasks.jsonl" || true)
+log "tasks"; G=$RUN/train_graded.jsonl T=$RUN/test_tasks.jsonl S=$RUN
 if [ -n "$TEST_TASKS" ]; then gen "$T" --source file --input "$TEST_TASKS" --num_tasks "$N_TEST"
 else gen "$T" --num_tasks "$N_TEST" --seed $((SEED + 1)) --split test; fi  # never a task any draw trains on
+if [ -z "$TRAIN_TASKS" ]; then  # S: the starting policy and the validation tasks, built once for these settings and
+  # code and shared by every draw beside this one (the paper starts every method of every draw from one model)
+  S=$(dirname "$RUN")/start-$({ cat ./*.py run.sh config/*.sh; echo "$TASK_TYPE $MODEL $N_VAL $N_WARMUP" \
+    "$TURNS $MAX_NEW_TOKENS $PROMPT_DIR $CLIP_MODEL $AGENT_BACKEND"; } | sha256sum | cut -c1-12); mkdir -p "$S"
+  exec 9>"$S/.lock"; ! command -v flock >/dev/null || flock 9  # a draw beside this one waits, not builds it twice
+  echo "run.sh: starting policy and validation tasks in $S (shared by the draws of these settings)"; fi
+V=$S/val_tasks.jsonl
 if [ -n "$TRAIN_TASKS" ]; then  # validation = the first N_VAL train-file tasks, held out of training
   [ "$N_VAL" -gt 0 ] && gen "$V" --source file --input "$TRAIN_TASKS" --num_tasks "$N_VAL" --exclude "$T"
-  gen "$RUN/train_tasks.jsonl" --source file --input "$TRAIN_TASKS" --num_tasks 0 --exclude "$NOTV"
+  gen "$RUN/train_tasks.jsonl" --source file --input "$TRAIN_TASKS" --num_tasks 0 \
+    --exclude "$T$([ "$N_VAL" -gt 0 ] && echo ",$V" || true)"
 else
-  gen "$RUN/train_tasks.jsonl" --num_tasks "$N_TRAIN" --seed $((SEED + 2)) --split train
-  [ "$N_VAL" -gt 0 ] && gen "$V" --num_tasks "$N_VAL" --seed $((SEED + 4)) --split train \
-    --exclude "$RUN/train_tasks.jsonl"
+  [ "$N_VAL" -gt 0 ] && gen "$V" --num_tasks "$N_VAL" --seed 4 --split train
+  gen "$RUN/train_tasks.jsonl" --num_tasks "$N_TRAIN" --seed $((SEED + 2)) --split train \
+    --exclude "$([ "$N_VAL" -gt 0 ] && echo "$V" || true)"
 fi
-val_of() {  # val_of POLICY TAG: POLICY on the validation tasks (2 dialogues each); VAL_SUCCESS = its success
-  rollout "$1" "$V" "$RUN/val_$2.jsonl" --samples 2; evaluate "$RUN/val_$2.jsonl" "val_$2"
-  VAL_SUCCESS=$(field "$RUN/val_$2_summary.json" success_rate); }; POLICY=$MODEL VAL_START=start
+val_of() {  # val_of POLICY TAG [DIR]: POLICY on the validation tasks (2 dialogues each); VAL_SUCCESS = its success
+  local d=${3:-$RUN}; rollout "$1" "$V" "$d/val_$2.jsonl" --samples 2 --seed 0  # one seed for every draw's
+  evaluate "$d/val_$2.jsonl" "$d/val_$2"  # validation and the start's: they compare on the same sampling seeds
+  VAL_SUCCESS=$(field "$d/val_$2_summary.json" success_rate); }
+POLICY=$MODEL VAL_START=start
 if [ "$N_WARMUP" -gt 0 ] && [ -z "$TRAIN_TASKS" ]; then
   log "protocol warm-up: SFT on oracle dialogues (the starting policy of every method; docs/curriculum.md)"
-  gen "$RUN/warmup_tasks.jsonl" --num_tasks "$N_WARMUP" --seed $((SEED + 3)) --split train --exclude "$NOTV"
+  gen "$S/warmup_tasks.jsonl" --num_tasks "$N_WARMUP" --seed 3 --split train \
+    --exclude "$([ "$N_VAL" -gt 0 ] && echo "$V" || true)"
   for try in $(seq 0 "$TRIES"); do  # calibration: redo the warm-up with another hasty share until the start lies in BAND
-    sfx=$([ "$try" = 0 ] || echo "_hasty$HASTY")
-    rollout "$MODEL" "$RUN/warmup_tasks.jsonl" "$RUN/warmup_oracle$sfx.jsonl" --agent_backend oracle --oracle_hasty "$HASTY" --oracle_mistake "$MISTAKE"
-    evaluate "$RUN/warmup_oracle$sfx.jsonl" "warmup_oracle$sfx"
-    train "$RUN/policy_warm$sfx" train_dpo.py --mode sft --sft_on all --trajectories "$RUN/warmup_oracle${sfx}_graded.jsonl" \
+    sfx=$([ "$try" = 0 ] || echo "_hasty$HASTY"); W=$S/warmup_oracle$sfx
+    rollout "$MODEL" "$S/warmup_tasks.jsonl" "$W.jsonl" --agent_backend oracle --oracle_hasty "$HASTY" \
+      --oracle_mistake "$MISTAKE" --seed 0
+    evaluate "$W.jsonl" "$W"
+    train "$S/policy_warm$sfx" train_dpo.py --mode sft --sft_on all --trajectories "${W}_graded.jsonl" \
       --model "$MODEL" --lr 1e-4 --batch_size 8 --task_type "$TASK_TYPE"
-    POLICY=$RUN/policy_warm$sfx; [ "$N_VAL" -gt 0 ] || break
-    VAL_START=start$sfx; val_of "$POLICY" "$VAL_START"
+    POLICY=$S/policy_warm$sfx; [ "$N_VAL" -gt 0 ] || break
+    VAL_START=start$sfx; val_of "$POLICY" "$VAL_START" "$S"
     next=$(awk -v s="$VAL_SUCCESS" -v h="$HASTY" -v b="$BAND" 'BEGIN { split(b, r, ","); if (s < r[1]) h -= 0.1; else if (s > r[2]) h += 0.1; else exit; printf "%.2g", (h < 0 ? 0 : (h > 1 ? 1 : h)) }')
     echo "starting policy (oracle_hasty $HASTY): validation success $VAL_SUCCESS, band [$BAND]${next:+: outside}"; [ -n "$next" ] || break
     [ "$try" -lt "$TRIES" ] || { echo "run.sh: warning: the start is outside [$BAND] after $TRIES retries; used as it is" >&2; break; }; HASTY=$next
   done
 fi
-[ "$N_VAL" -gt 0 ] && [ ! -f "$RUN/val_${VAL_START}_graded.jsonl" ] && val_of "$POLICY" "$VAL_START"
+[ "$N_VAL" -gt 0 ] && [ ! -f "$S/val_${VAL_START}_graded.jsonl" ] && val_of "$POLICY" "$VAL_START" "$S"
+exec 9>&-  # the start is built: other draws may go on
 best_of() {  # best_of NAME DIR: the start, DIR's snapshots and DIR on the validation tasks; BEST = the highest (a tie: the earliest)
-  local name=$1 dir=$2 runs=("start=$RUN/val_${VAL_START}_graded.jsonl") pols=("start=$POLICY") d tag
+  local name=$1 dir=$2 runs=("start=$S/val_${VAL_START}_graded.jsonl") pols=("start=$POLICY") d tag
   BEST=$dir; [ "$N_VAL" -gt 0 ] || return 0
   for d in $(ls -d "$dir"/step-* 2>/dev/null | sort -V || true) "$dir"; do
     tag=${name}_$(basename "$d"); [ "$d" = "$dir" ] && tag=${name}_end
-    rollout "$d" "$V" "$RUN/val_$tag.jsonl" --samples 2; evaluate "$RUN/val_$tag.jsonl" "val_$tag"
+    val_of "$d" "$tag"
     runs+=("$tag=$RUN/val_${tag}_graded.jsonl") pols+=("$tag=$d")
   done
   "$PY" evaluate.py --compare "$(IFS=,; echo "${runs[*]}")" --policies "$(IFS=,; echo "${pols[*]}")" --select \
     --summary "$RUN/select_$name.json" | tee "$RUN/select_$name.txt"
   BEST=$(field "$RUN/select_$name.json" selected_policy)
 }
-SNAP=$([ "$N_VAL" -gt 0 ] && echo "--snapshots 2" || true)  # policies at 1/3 and 2/3 of each update, for best_of
-if [ -n "$TRAIN_TRAJECTORIES" ]; then log "train trajectories: $TRAIN_TRAJECTORIES (graded here)"; evaluate "$TRAIN_TRAJECTORIES" train
+SNAP=$([ "$N_VAL" -gt 0 ] && echo "--snapshots 2" || true)  # policies at 1/3 and 2/3 of the steps, for best_of
+if [ -n "$TRAIN_TRAJECTORIES" ]; then log "train trajectories: $TRAIN_TRAJECTORIES (graded here)"; evaluate "$TRAIN_TRAJECTORIES" "$RUN/train"
 else log "rollouts on train tasks ($SAMPLES per task) with $POLICY"; rollout "$POLICY" "$RUN/train_tasks.jsonl" "$RUN/train_rollouts.jsonl" \
-  --samples "$SAMPLES"; evaluate "$RUN/train_rollouts.jsonl" train --k "$SAMPLES"; fi
+  --samples "$SAMPLES"; evaluate "$RUN/train_rollouts.jsonl" "$RUN/train" --k "$SAMPLES"; fi
 log "SWEET-RL: critic -> turn labels -> turn-level DPO"
 critic() { train "$1" train_critic.py --trajectories "$G" --model "$POLICY" --lr "$LR_CRITIC" --epochs "$CRITIC_EPOCHS" \
   --task_type "$TASK_TYPE" --seed "$SEED" --train_layers "$TRAIN_LAYERS" "${@:2}"; }
@@ -138,11 +150,13 @@ if [ "$MC_STATES" -gt 0 ] && [ -s "$MC.jsonl" ]; then rollout "$POLICY" "" "${MC
   [ -f "${MC}_graded.jsonl" ] || "$PY" evaluate.py --input "${MC}_rollouts.jsonl" --output "${MC}_graded.jsonl" \
     --task_type "$TASK_TYPE" --clip_model "$CLIP_MODEL"
   credit; fi  # again: the report with the values
+# every method: the same optimizer steps (SWEET-RL's one pass over its pairs) at batch 8, the same snapshots
+STEPS=$(( ($(wc -l < "$RUN/pairs.jsonl") + 7) / 8 ))
 dpo() { train "$RUN/policy_$1" train_dpo.py --model "$POLICY" --lr "$LR_DPO" --seed "$SEED" --task_type "$TASK_TYPE" \
-  --train_layers "$TRAIN_LAYERS" $SNAP "${@:2}"; best_of "$1" "$RUN/policy_$1"; }
+  --train_layers "$TRAIN_LAYERS" --steps "$STEPS" --batch_size 8 $SNAP "${@:2}"; best_of "$1" "$RUN/policy_$1"; }
 dpo sweet --mode turn --pairs "$RUN/pairs.jsonl"; METHODS="zero_shot:$POLICY sweet_rl:$BEST"
 if [ "$BASELINES" = 1 ]; then
-  log "baselines: multi-turn DPO and rejection fine-tuning (same start, data, steps and selection)"
+  log "baselines: multi-turn DPO and rejection fine-tuning (same start, train data, $STEPS steps, selection)"
   dpo mtdpo --mode trajectory --trajectories "$G"; METHODS="$METHODS multi_turn_dpo:$BEST"
   dpo rft --mode sft --trajectories "$G"; METHODS="$METHODS rejection_ft:$BEST"
 fi
@@ -153,7 +167,7 @@ for m in $METHODS; do name=${m%%:*} policy=${m#*:} ref=()
     for f in .jsonl _graded.jsonl _graded.jsonl.run_settings.json; do cp "$RUN/test_zero_shot$f" "$RUN/test_$name$f"; done
   else rollout "$policy" "$T" "$RUN/test_${name}.jsonl"; fi
   [ "$TASK_TYPE" = html ] && [ "$name" != zero_shot ] && ref=(--reference "$RUN/test_zero_shot_graded.jsonl")
-  evaluate "$RUN/test_${name}.jsonl" "test_${name}" "${ref[@]}"
+  evaluate "$RUN/test_${name}.jsonl" "$RUN/test_${name}" "${ref[@]}"
   runs+=("$name=$RUN/test_${name}_graded.jsonl") pols+=("$name=$policy")
 done
 log "results ($RUN)"; "$PY" evaluate.py --compare "$(IFS=,; echo "${runs[*]}")" --policies "$(IFS=,; echo "${pols[*]}")" \

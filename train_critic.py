@@ -80,9 +80,6 @@ class Args:
     the last save (0: after every step; inf: never), written in the background while training goes on"""
     resume: bool = False
     """continue from OUTPUT_DIR/resume (same --batch_size, --seed, --epochs) instead of starting over"""
-    report_to: str = ""
-    """tensorboard | wandb | tensorboard,wandb: also send the step lines' numbers there (OUTPUT_DIR/tensorboard;
-    a W&B run, WANDB_MODE=offline to keep it local; requirements: tensorboard, wandb)"""
     schedule: str = "released"
     """released: the release's optimizer (warm-up over 3% of the steps, cosine to 0.1x, AdamW betas 0.9 / 0.95) |
     constant: a constant rate, AdamW's default betas (the embedded CPU run)"""
@@ -238,7 +235,7 @@ def main(args):
     opt = training.make_optimizer(critic, args.lr, args.schedule)
     order = {"batch_size": args.batch_size, "seed": args.seed, "epochs": args.epochs}  # what the data order depends on
     start = training.load_training_state(critic, opt, out / "resume", order) if args.resume else 0
-    log = training.TrainingLog(out, start, rank, args.report_to, vars(args))
+    log = training.TrainingLog(out, start, rank)
     saves = training.Checkpointer(out / "resume", args.save_minutes, order, rank)
     batches = training.batch_order(len(train_pairs), args.batch_size, args.epochs, args.seed)
     for step, (epoch, batch) in enumerate(batches, 1):
@@ -260,7 +257,6 @@ def main(args):
         log.write(training.step_line(step, epoch, sums, seconds, {"lr": lr, **held}))
         saves.after_step(critic, opt, step, step == len(batches))
     saves.finish()
-    log.close()
 
     final = {**(pair_metrics("train", train_pairs) if args.train_metrics else {}),
              **pair_metrics("heldout", held_pairs)}

@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -52,6 +53,9 @@ class Args:
     """AdamW learning rate (paper: 2e-7 for 8B)"""
     epochs: float = 1
     """passes over the data; a fraction ends the last pass early"""
+    steps: int = 0
+    """optimizer steps instead of --epochs (0: --epochs decides); past a pass the data repeats, reshuffled. run.sh
+    gives every method the same steps: an equal budget"""
     batch_size: int = 8
     """pairs (or trajectories) per optimizer step, over all ranks"""
     max_len: int = 16384
@@ -71,13 +75,10 @@ class Args:
     """save the training state (model + optimizer) to OUTPUT_DIR/resume when this many minutes have passed since
     the last save (0: after every step; inf: never), written in the background while training goes on"""
     resume: bool = False
-    """continue from OUTPUT_DIR/resume (same --batch_size, --seed, --epochs) instead of starting over"""
+    """continue from OUTPUT_DIR/resume (same --batch_size, --seed, --epochs, --steps) instead of starting over"""
     sft_on: str = "success"
     """sft mode: success (rejection fine-tuning: successful dialogues only) | all (every dialogue: the embedded
     warm-up)"""
-    report_to: str = ""
-    """tensorboard | wandb | tensorboard,wandb: also send the step lines' numbers there (OUTPUT_DIR/tensorboard;
-    a W&B run, WANDB_MODE=offline to keep it local; requirements: tensorboard, wandb)"""
     schedule: str = "released"
     """released: the release's optimizer (warm-up over 3% of the steps, cosine to 0.1x, AdamW betas 0.9 / 0.95) |
     constant: a constant rate, AdamW's default betas (the embedded CPU run)"""
@@ -155,6 +156,7 @@ def main(args):
                   args.task_type not in ("code", "html") and f"--task_type {args.task_type}: choose code or html",
                   args.sft_on not in ("success", "all") and f"--sft_on {args.sft_on}: choose success or all",
                   args.beta <= 0 and "--beta must be positive", args.nll_coef < 0 and "--nll_coef must be >= 0",
+                  args.steps < 0 and "--steps must be >= 0",
                   *training.argument_problems(args))
     common.check_writable(args.output_dir.rstrip("/") + "/")
     rank, world, device = training.init_distributed()
@@ -231,12 +233,13 @@ def main(args):
     out.mkdir(parents=True, exist_ok=True)
     model.train()
     opt = training.make_optimizer(model, args.lr, args.schedule)
-    order = {"batch_size": args.batch_size, "seed": args.seed, "epochs": args.epochs}  # what the data order depends on
+    order = {k: getattr(args, k) for k in ("batch_size", "seed", "epochs", "steps")}  # what the data order depends on
     start = training.load_training_state(model, opt, out / "resume", order) if args.resume else 0
-    log = training.TrainingLog(out, start, rank, args.report_to, vars(args))
+    log = training.TrainingLog(out, start, rank)
     saves = training.Checkpointer(out / "resume", args.save_minutes, order, rank)
-    batches = training.batch_order(len(examples), args.batch_size, args.epochs, args.seed)
+    batches = training.batch_order(len(examples), args.batch_size, args.epochs, args.seed, args.steps)
     snapshot_steps = snapshot_schedule(len(batches), args.snapshots)
+    settings = lambda step: SimpleNamespace(**{**vars(args), "steps": len(batches), "step": step})  # run_settings
     for step, (epoch, batch) in enumerate(batches, 1):
         if step <= start:
             continue  # done before the restart
@@ -252,10 +255,10 @@ def main(args):
         log.write(training.step_line(step, epoch, sums, time.time() - t0, {"lr": lr}))
         saves.after_step(model, opt, step, step == len(batches))
         if step in snapshot_steps and not (out / f"step-{step}" / "config.json").exists():
-            training.save_checkpoint(model, tok, out / f"step-{step}", rank, args, getattr(torch, args.save_dtype))
+            training.save_checkpoint(model, tok, out / f"step-{step}", rank, settings(step),
+                                     getattr(torch, args.save_dtype))
     saves.finish()
-    log.close()
-    training.save_checkpoint(model, tok, args.output_dir, rank, args, getattr(torch, args.save_dtype))
+    training.save_checkpoint(model, tok, args.output_dir, rank, settings(len(batches)), getattr(torch, args.save_dtype))
     if rank == 0:
         print(f"saved {args.output_dir}")
 

@@ -195,9 +195,6 @@ def save_checkpoint(model, tokenizer, out_dir, rank, settings=None, dtype=None):
     barrier()
 
 
-RESUME_KEYS = ("batch_size", "seed", "epochs")  # what the data order depends on: `order` = {key: value}
-
-
 def save_training_state(model, opt, resume_dir, step, order, rank, background=False):
     """Model and optimizer state (torch.distributed.checkpoint: each rank writes its own shards) to
     a temp dir, renamed into place when complete: a kill at any moment leaves the previous state.
@@ -276,7 +273,7 @@ def load_training_state(model, opt, resume_dir, order):
     if not (resume_dir / "meta.json").exists():
         return 0
     meta = json.loads((resume_dir / "meta.json").read_text())
-    clash = [f"--{k} {meta[k]} (this run: {order[k]})" for k in RESUME_KEYS if meta[k] != order[k]]
+    clash = [f"--{k} {meta.get(k)} (this run: {v})" for k, v in order.items() if meta.get(k) != v]
     if clash:
         raise SystemExit(f"--resume: {resume_dir} was written with {', '.join(clash)}; the data order would differ. "
                          f"Rerun with the same settings, or drop --resume to start over.")
@@ -470,66 +467,44 @@ def optimizer_step(model, opt, lr):
     return grad_norm
 
 
-def batch_order(n, batch_size, epochs, seed):
-    """Global batches of example indices [(epoch, [i, ...])], shuffled each epoch; the same on every
-    rank, and the same after a restart (it depends only on these arguments). A fractional epochs ends
-    the last pass early: the first round(epochs x batches per pass) batches (at least 1) of ceil(epochs) passes."""
-    rng, out, passes = random.Random(seed), [], math.ceil(epochs)
-    for epoch in range(passes):
+def batch_order(n, batch_size, epochs, seed, steps=0):
+    """Global batches of example indices [(epoch, [i, ...])], shuffled each pass; the same on every rank, and the
+    same after a restart (it depends only on these arguments). `steps` batches (0: round(epochs x batches per
+    pass), at least 1): a fractional epochs ends the last pass early, more steps than a pass repeat the data."""
+    per_pass = math.ceil(n / batch_size)
+    total = steps or max(1, round(per_pass * epochs))
+    rng, out = random.Random(seed), []
+    for epoch in range(math.ceil(total / per_pass)):
         order = list(range(n))
         rng.shuffle(order)
         out += [(epoch, order[b:b + batch_size]) for b in range(0, n, batch_size)]
-    return out[:max(1, round(len(out) * epochs / passes))]
+    return out[:total]
 
 
 def argument_problems(args):
-    """refuse()'s checks of the settings both trainers have: the optimizer's, the precision, the trackers, resume."""
+    """refuse()'s checks of the settings both trainers have: the optimizer's, the precision, resume."""
     out = Path(args.output_dir)
     return [args.lr <= 0 and "--lr must be positive",
             args.schedule not in SCHEDULES and f"--schedule {args.schedule}: choose released or constant",
             args.epochs <= 0 and "--epochs must be positive",
             args.batch_size < 1 and "--batch_size must be at least 1",
             args.save_minutes < 0 and "--save_minutes must be >= 0",
-            *models.precision_problems(args), *report_problems(args.report_to),
+            *models.precision_problems(args),
             args.resume and not (out / "resume").exists() and not (out / "resume.old").exists()
             and f"--resume: nothing to resume in {args.output_dir}/resume"]
 
 
-REPORTERS = ("tensorboard", "wandb")  # --report_to of the training stages
-
-
-def report_problems(report_to):
-    """refuse()'s checks of --report_to: known trackers, installed before any work."""
-    import importlib.util
-    names = [r for r in report_to.split(",") if r]
-    return [f"--report_to {r}: choose from {', '.join(REPORTERS)}" if r not in REPORTERS else
-            not importlib.util.find_spec(r) and f"--report_to {r}: `pip install {r}` first" for r in names]
-
-
 class TrainingLog:
-    """OUT_DIR/log.jsonl and stdout, one line per step (rank 0 writes), and the same numbers to each tracker of
-    report_to ("tensorboard,wandb": TensorBoard event files in OUT_DIR/tensorboard; a W&B run named by OUT_DIR,
-    WANDB_MODE=offline for no server). On resume after step `start` the lines of later steps (from the killed
-    run) are dropped, TensorBoard's too, and W&B continues the run it had."""
+    """OUT_DIR/log.jsonl and stdout, one line per step (rank 0 writes). On resume after step `start` the lines of
+    later steps (from the killed run) are dropped."""
 
-    def __init__(self, out_dir, start, rank, report_to="", config=None):
+    def __init__(self, out_dir, start, rank):
         self.path, self.rank = Path(out_dir) / "log.jsonl", rank
         self.history = [r for _, r in common.read_jsonl(self.path, True)][:start] if start else []
-        self.tensorboard = self.wandb = None
         if rank == 0:
             common.write_jsonl(self.path, self.history)
             if start:
                 print(f"resuming after step {start}", flush=True)
-            if "tensorboard" in report_to:
-                from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
-                self.tensorboard = SummaryWriter(Path(out_dir) / "tensorboard", purge_step=start + 1 if start else None)
-            if "wandb" in report_to:
-                import wandb
-                run_id = Path(out_dir) / "wandb_id"
-                if not run_id.exists():
-                    run_id.write_text(os.urandom(4).hex())
-                self.wandb = wandb.init(dir=out_dir, name=Path(out_dir).name, id=run_id.read_text(), resume="allow",
-                                        config=config)
 
     def write(self, line):
         """line: {'step', 'epoch', metric: value, ...}; metrics summed over ranks by the caller."""
@@ -538,18 +513,6 @@ class TrainingLog:
             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in line.items()), flush=True)
             with open(self.path, "a") as f:
                 f.write(json.dumps(line) + "\n")
-            numbers = {k: v for k, v in line.items() if k != "step" and isinstance(v, (int, float))}
-            if self.tensorboard:
-                for k, v in numbers.items():
-                    self.tensorboard.add_scalar(k, v, line["step"])
-            if self.wandb:
-                self.wandb.log(numbers, step=line["step"])
-
-    def close(self):
-        if self.tensorboard:
-            self.tensorboard.close()
-        if self.wandb:
-            self.wandb.finish()
 
 
 def step_line(step, epoch, sums, seconds, extra=None):

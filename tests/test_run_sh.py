@@ -39,13 +39,20 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     run = tmp_path / "run"
     table, res = (run / "results.txt").read_text(), json.loads((run / "results.json").read_text())
-    # each update was selected on the 2 validation tasks (disjoint from test) against its start
-    val = {t["task_id"] for t in read(run / "val_tasks.jsonl")}
+    # each update was selected on the 2 validation tasks (disjoint from test) against its start; the validation
+    # tasks and the start's validation sit beside the run, shared by every draw of these settings
+    start, = tmp_path.glob("start-*")
+    val = {t["task_id"] for t in read(start / "val_tasks.jsonl")}
     assert len(val) == 2 and not val & {t["task_id"] for t in read(run / "test_tasks.jsonl")}
+    assert (start / "val_start_graded.jsonl").exists() and not (run / "val_tasks.jsonl").exists()
+    steps = -(-len(read(run / "pairs.jsonl")) // 8)  # every method: SWEET-RL's pass over its pairs, one grid
     for name, method in (("sweet", "sweet_rl"), ("mtdpo", "multi_turn_dpo"), ("rft", "rejection_ft")):
         sel = json.loads((run / f"select_{name}.json").read_text())
-        assert list(sel["methods"]) == ["start", f"{name}_step-1", f"{name}_step-2", f"{name}_end"] or \
-            list(sel["methods"])[0] == "start" and f"{name}_end" in sel["methods"]
+        grid = [f"{name}_step-{k}" for k in (round(steps / 3), round(2 * steps / 3)) if 0 < k < steps]
+        assert list(sel["methods"]) == ["start", *dict.fromkeys(grid), f"{name}_end"]
+        assert sel["methods"][f"{name}_end"]["training"]["steps"] == steps
+        assert sel["methods"][f"{name}_end"]["training"]["step"] == steps
+        assert sel["methods"][f"{name}_end"]["training"]["mode"] == {"sweet": "turn", "mtdpo": "trajectory"}.get(name, "sft")
         assert res["methods"][method]["policy"] == sel["selected_policy"]
     # the tiny model succeeds nowhere: every policy ties at 0 on validation, the start wins the tie, and an update
     # that kept its start reuses zero_shot's test dialogues instead of rolling them out again
@@ -107,7 +114,9 @@ def test_run_sh_html_loop(tiny_model, tmp_path):
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     run = tmp_path / "run"
     assert "starting policy (oracle_hasty 0.5): validation success 0.0, band [0.15,0.5]: outside" in p.stdout
-    assert (run / "policy_warm_hasty0.4" / "config.json").exists() and "after 1 retries" in p.stderr
+    start, = tmp_path.glob("start-*")  # the start is built beside the run, for every draw of these settings
+    assert (start / "policy_warm_hasty0.4" / "config.json").exists() and "after 1 retries" in p.stderr
+    assert not list(run.glob("policy_warm*")) and not list(run.glob("warmup*"))
     table = (run / "results.txt").read_text()
     assert "similarity: pixel_hist_v1" in table and "sweet_rl" in table and "win rate" in table
     s = json.loads((run / "test_sweet_rl_summary.json").read_text())

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The fair protocol's one tuning procedure: every method gets the same learning-rate grid on the validation tasks
+# of a tuning draw that is never reported. The draw is a finished `BASELINES=1 bash run.sh` run directory; for each
+# other rate this copies its stages up to the turn labels (nothing is redone) and trains and selects
+# every method again at that rate. Each method's score at a rate is its validation success at the snapshot its
+# selection kept; pick per method the rate with the highest (a tie: the lower rate) and record it in docs/log.md.
+#   BASELINES=1 SEED=10 RUN=runs/tune bash run.sh               # the tuning draw, at the default LR_DPO
+#   bash bench/tune_lr.sh runs/tune 2e-6 2e-5                     # the same draw at the other rates of the grid
+set -euo pipefail
+cd "$(dirname "$0")/.."
+draw=${1:?usage: bash bench/tune_lr.sh RUN_DIR LR [LR ...]}; shift
+[ -f "$draw/results.json" ] || { echo "tune_lr.sh: $draw has no results.json: finish its run.sh first" >&2; exit 1; }
+seed=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["seed"])' "$draw/critic/run_settings.json")
+for lr in "$@"; do
+  out=${draw%/}_lr$lr
+  if [ ! -d "$out" ]; then mkdir -p "$out"
+    for f in "$draw"/*; do case $(basename "$f") in  # the draw's own stages up to the labels; not its updates
+      policy_*|val_*|select_*|results.*|report.html|test_sweet_rl*|test_multi_turn_dpo*|test_rejection_ft*) ;;
+      *) cp -a "$f" "$out/" ;; esac; done
+  fi
+  RUN=$out SEED=$seed LR_DPO=$lr BASELINES=1 bash run.sh
+done
+python3 - "$draw" "$@" <<'EOF'
+import json, sys
+draw, lrs = sys.argv[1].rstrip("/"), sys.argv[2:]
+dirs = {json.load(open(f"{draw}/policy_sweet/run_settings.json"))["lr"]: draw, **{float(lr): f"{draw}_lr{lr}" for lr in lrs}}
+print(f"{'lr':>8}" + "".join(f"{m:>10}" for m in ("sweet", "mtdpo", "rft")) + "   (validation success of the kept policy)")
+for lr, d in sorted(dirs.items()):
+    kept = [json.load(open(f"{d}/select_{m}.json")) for m in ("sweet", "mtdpo", "rft")]
+    print(f"{lr:>8.0e}" + "".join(f"{100 * s['methods'][s['selected']]['success']:>9.1f}%" for s in kept))
+EOF

@@ -2,11 +2,12 @@
 
 **credit_accuracy** (the metric): the share of the pairs of candidate turns whose order the reward decides that a
 critic orders the same way (ties half), with a 95% interval (the states resampled), by kind of pair. Two kinds of
-decided pairs: in every labelled state of a code task, two answers whose grades differ (an answer ends the dialogue,
-so its grade is its outcome: exact, at the cost of grading); and on a fixed sample of labelled states, every
-candidate's value under the policy that sampled it, by Monte Carlo: an answer graded once, any other turn continued
---continuations (16) times by that policy with the human (rollout.py --prefixes), its value the mean outcome (code:
-all tests pass; html: the similarity), and only pairs whose values differ significantly count. Beside it: the
+decided pairs: in every labelled state of a code task, two answers whose rewards differ (an answer ends the
+dialogue, so its reward, the share of tests passed, is its outcome: exact, at the cost of grading); and on a fixed
+sample of labelled states, every candidate's value under the policy that sampled it, by Monte Carlo: an answer graded
+once, any other turn continued --continuations (16) times by that policy with the human (rollout.py --prefixes), its
+value the mean reward (code: the share of tests passed; html: the similarity), and only pairs whose values differ
+significantly count. Beside it: the
 values' split-half agreement (two halves of the continuations; the ceiling) and the best state-blind order of turn
 kinds on the same pairs (what a blanket preference earns).
 
@@ -47,25 +48,27 @@ class TrueClasses:
     def __init__(self, max_turns):
         self.max_turns, self.gt_results, self.pool, self.features, self.graded = max_turns, {}, None, {}, {}
 
-    def passes(self, task, code):
-        """Whether code passes every test of a code task (the ground truth run once a task; each code once)."""
+    def grade(self, task, code):
+        """sandbox.grade_code of code on a code task (the ground truth run once a task; each code once)."""
         if task["task_id"] not in self.gt_results:
             self.gt_results[task["task_id"]] = sandbox.run_calls(task["ground_truth"], list(task["test_cases"].items()))
         if (task["task_id"], code) not in self.graded:
-            graded = sandbox.grade_code(task, code, gt_results=self.gt_results[task["task_id"]])
-            self.graded[task["task_id"], code] = graded["success"]
+            self.graded[task["task_id"], code] = sandbox.grade_code(task, code, gt_results=self.gt_results[task["task_id"]])
         return self.graded[task["task_id"], code]
 
+    def passes(self, task, code):
+        return self.grade(task, code)["success"]
+
     def grades(self, traj, turn, candidates):
-        """[[index, passes]] for the first of each distinct answer among a code task's candidates: an answer ends the
-        dialogue, so its grade is its outcome, and two answers of different grades are ordered by the reward."""
+        """[[index, reward]] for the first of each distinct answer among a code task's candidates (the reward: the
+        share of tests passed): an answer ends the dialogue, so its reward is its outcome, and orders two answers."""
         task, first = traj["task"], {}
         if "test_cases" not in task:
             return []
         for i, c in enumerate(candidates):
             if is_answer(c, turn, self.max_turns):
                 first.setdefault(c, i)
-        return [[i, self.passes(task, colbench.extract_answer(c))] for c, i in first.items()]
+        return [[i, self.grade(task, colbench.extract_answer(c))["reward"]] for c, i in first.items()]
 
     def page_features(self, html):
         """render.design_features of a page's render (one headless browser, started on first use; cached)."""
@@ -331,14 +334,13 @@ def mc_prefixes(states, trajectories, args):
 
 def mc_values(pairs):
     """{(task_id, sample, turn): {candidate index: (exact, [outcomes])}} from the graded continuations; the outcome
-    is success on code (all tests pass) and the reward (similarity) on pages."""
+    is the reward (code: the share of tests passed; pages: the similarity)."""
     prefixes, _, graded = mc_paths(pairs)
     which = {r["sample"]: r for _, r in common.read_jsonl(prefixes)}
     values = {}
     for _, r in common.read_jsonl(graded):
         p = which[r["sample"]]
-        outcome = float(r["success"]) if "test_cases" in p["task"] else float(r["reward"])
-        values.setdefault(tuple(p["mc_state"]), {}).setdefault(p["mc_candidate"], (p["exact"], []))[1].append(outcome)
+        values.setdefault(tuple(p["mc_state"]), {}).setdefault(p["mc_candidate"], (p["exact"], []))[1].append(float(r["reward"]))
     return values
 
 
@@ -369,15 +371,15 @@ def decided_pairs(values, z=1.96):
 
 
 def exact_pairs(states, skip=()):
-    """[(state key, better, worse, 1.0)] for every two answers of a labelled state whose grades differ (code tasks;
-    the answers' grades from classify): the reward orders them exactly, at no cost beyond grading. The states
+    """[(state key, better, worse, 1.0)] for every two answers of a labelled state whose rewards differ (code tasks;
+    the answers' rewards from classify): the reward orders them exactly, at no cost beyond grading. The states
     valued by continuations (skip) are left to decided_pairs, which grades their answers the same way."""
     out = []
     for s in states:
         key = (s["task_id"], s["sample"], s["turn"])
         if key not in skip:
             grades = itertools.permutations(s.get("grades", []), 2)
-            out += [(key, i, j, 1.0) for (i, a), (j, b) in grades if a and not b]
+            out += [(key, i, j, 1.0) for (i, a), (j, b) in grades if a > b]
     return out
 
 
@@ -392,7 +394,7 @@ def bootstrap_over_states(hits, n=2000, seed=0):
 
 
 def decided_report(states, values, critics):
-    """credit_accuracy of every critic on the pairs the reward decides: two answers of different grades (exact, in
+    """credit_accuracy of every critic on the pairs the reward decides: two answers of different rewards (exact, in
     every labelled state of a code task) and the pairs the Monte-Carlo values of the valued states decide; each with
     its 95% interval (states resampled), by kind of pair, beside the split-half agreement of the values (the
     ceiling) and the best state-blind order of turn kinds on the same pairs."""
@@ -434,7 +436,7 @@ def mc_line(r):
         else ""
     half = r["credit_split_half"]
     return (f"turn-credit accuracy on the {r['credit_pairs']} pairs the reward decides ({r['credit_pairs_exact']} "
-            f"answers of different grades, {r['credit_pairs'] - r['credit_pairs_exact']} by the values of "
+            f"answers of different rewards, {r['credit_pairs'] - r['credit_pairs_exact']} by the values of "
             f"{r['credit_states']} states): "
             + ", ".join(f"{k} {v:.3f} {ci(k)}" if v is not None else f"{k} -" for k, v in r["credit_accuracy"].items())
             + (f"\n  split-half agreement of the values (the ceiling) {half:.3f}" if half is not None else "")

@@ -300,15 +300,18 @@ def test_credit_accuracy_counts_only_the_pairs_the_reward_decides():
     assert r["credit_by_kind"]["question > answer"] == {"good": 1.0, "kinds": 1.0, "untrained": 0.5}
     lo, hi = r["credit_accuracy_ci95"]["kinds"]  # one state: every resample is that state
     assert lo == hi == pytest.approx(r["credit_accuracy"]["kinds"])
-    # every other labelled state: two answers of different grades are decided exactly, without continuations
-    other = {"task_id": "t", "sample": 1, "turn": 0, "candidates": ["a", "b", "q?", "c"],
-             "grades": [[0, False], [1, True], [3, True]], "advantages_by_critic": {"good": [0.0, 1.0, 5.0, -1.0]}}
+    # every other labelled state: two answers of different rewards (the share of tests passed) are decided exactly,
+    # without continuations; equal rewards are not
+    other = {"task_id": "t", "sample": 1, "turn": 0, "candidates": ["a", "b", "q?", "c", "d"],
+             "grades": [[0, 0.0], [1, 1.0], [3, 1.0], [4, 0.5]],
+             "advantages_by_critic": {"good": [0.0, 1.0, 5.0, -1.0, 0.5]}}
+    assert {(i, j) for _, i, j, _ in credit.exact_pairs([other])} == {(1, 0), (3, 0), (1, 4), (3, 4), (4, 0)}
     r = credit.decided_report([*states, other], values, ["good"])
-    assert r["credit_pairs"] == 10 and r["credit_pairs_exact"] == 2  # b > a, c > a
-    assert r["credit_accuracy"]["good"] == pytest.approx(9 / 10)  # c > a is ordered wrong
-    assert r["credit_by_kind"]["answer > answer"]["good"] == pytest.approx(3 / 4)
+    assert r["credit_pairs"] == 13 and r["credit_pairs_exact"] == 5
+    assert r["credit_accuracy"]["good"] == pytest.approx(11 / 13)  # c > a and c > d are ordered wrong
+    assert r["credit_by_kind"]["answer > answer"]["good"] == pytest.approx(5 / 7, abs=1e-4)
     lo, hi = r["credit_accuracy_ci95"]["good"]
-    assert lo == pytest.approx(0.5) and hi == 1.0  # the states resampled: the other state's 1/2 up to the first's 8/8
+    assert lo == pytest.approx(0.6) and hi == 1.0  # the states resampled: the other state's 3/5 up to the first's 8/8
     assert credit.exact_pairs([other], skip={("t", 1, 0)}) == []  # a valued state: its answers are in its values
     # halves that disagree lower the ceiling: 16 continuations whose even half all fail and odd half all pass
     flip = {key: {0: (False, [0.0, 1.0] * 8), 1: (True, [0.0])}}

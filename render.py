@@ -18,14 +18,11 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-
-def _cache_dir():
-    from common import CACHE_DIR  # late import: common imports this module
-    return CACHE_DIR
+from common import CACHE_DIR
 
 
 def kept_renders_dir():
-    return _cache_dir() / "renders"  # RenderPool.render_kept's images (SWEETRL_CACHE moves the whole cache)
+    return CACHE_DIR / "renders"  # RenderPool.render_kept's images (SWEETRL_CACHE moves the whole cache)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -39,7 +36,7 @@ MAX_PAGE_HEIGHT = 4000  # px; taller pages are cut here
 
 def tailwind_css():
     """A local copy of Tailwind 2.2.19 (the npm package's dist/tailwind.min.css), fetched once."""
-    path = _cache_dir() / f"tailwind-{TAILWIND_VERSION}.min.css"
+    path = CACHE_DIR / f"tailwind-{TAILWIND_VERSION}.min.css"
     if path.exists():
         return path
     if not shutil.which("npm"):

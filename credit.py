@@ -7,9 +7,8 @@ dialogue, so its reward, the share of tests passed, is its outcome: exact, at th
 sample of labelled states, every candidate's value under the policy that sampled it, by Monte Carlo: an answer graded
 once, any other turn continued --continuations (16) times by that policy with the human (rollout.py --prefixes), its
 value the mean reward (code: the share of tests passed; html: the similarity), and only pairs whose values differ
-significantly count. Beside it: the
-values' split-half agreement (two halves of the continuations; the ceiling) and the best state-blind order of turn
-kinds on the same pairs (what a blanket preference earns).
+significantly count. Beside it: the values' split-half agreement (two halves of the continuations; the ceiling)
+and the best state-blind order of turn kinds on the same pairs (what a blanket preference earns).
 
     python credit.py --pairs RUN/pairs.jsonl --trajectories RUN/train_graded.jsonl --max_turns 5
     python rollout.py --prefixes RUN/pairs.jsonl.mc.jsonl --output RUN/pairs.jsonl.mc_rollouts.jsonl ...
@@ -52,12 +51,10 @@ class TrueClasses:
         """sandbox.grade_code of code on a code task (the ground truth run once a task; each code once)."""
         if task["task_id"] not in self.gt_results:
             self.gt_results[task["task_id"]] = sandbox.run_calls(task["ground_truth"], list(task["test_cases"].items()))
-        if (task["task_id"], code) not in self.graded:
-            self.graded[task["task_id"], code] = sandbox.grade_code(task, code, gt_results=self.gt_results[task["task_id"]])
-        return self.graded[task["task_id"], code]
-
-    def passes(self, task, code):
-        return self.grade(task, code)["success"]
+        key = (task["task_id"], code)
+        if key not in self.graded:
+            self.graded[key] = sandbox.grade_code(task, code, gt_results=self.gt_results[task["task_id"]])
+        return self.graded[key]
 
     def grades(self, traj, turn, candidates):
         """[[index, reward]] for the first of each distinct answer among a code task's candidates (the reward: the
@@ -92,7 +89,7 @@ class TrueClasses:
         if "family" not in task or "test_cases" not in task:
             return None
         before = state_dialogue(traj, turn)
-        grade = lambda code: self.passes(task, code)
+        grade = lambda code: self.grade(task, code)["success"]
         return [turn_class(task, before, c, turn >= self.max_turns - 1, grade) for c in candidates]
 
 
@@ -340,7 +337,8 @@ def mc_values(pairs):
     values = {}
     for _, r in common.read_jsonl(graded):
         p = which[r["sample"]]
-        values.setdefault(tuple(p["mc_state"]), {}).setdefault(p["mc_candidate"], (p["exact"], []))[1].append(float(r["reward"]))
+        candidate = values.setdefault(tuple(p["mc_state"]), {}).setdefault(p["mc_candidate"], (p["exact"], []))
+        candidate[1].append(float(r["reward"]))
     return values
 
 

@@ -81,15 +81,14 @@ if [ -z "$TRAIN_TASKS" ]; then  # S: the starting policy and the validation task
     "$TURNS $MAX_NEW_TOKENS $PROMPT_DIR $CLIP_MODEL $AGENT_BACKEND"; } | sha256sum | cut -c1-12); mkdir -p "$S"
   exec 9>"$S/.lock"; ! command -v flock >/dev/null || flock 9  # a draw beside this one waits, not builds it twice
   echo "run.sh: starting policy and validation tasks in $S (shared by the draws of these settings)"; fi
-V=$S/val_tasks.jsonl
+V=$S/val_tasks.jsonl NOTV=$([ "$N_VAL" -gt 0 ] && echo "$V" || true)  # what train and warm-up tasks exclude
 if [ -n "$TRAIN_TASKS" ]; then  # validation = the first N_VAL train-file tasks, held out of training
   [ "$N_VAL" -gt 0 ] && gen "$V" --source file --input "$TRAIN_TASKS" --num_tasks "$N_VAL" --exclude "$T"
   gen "$RUN/train_tasks.jsonl" --source file --input "$TRAIN_TASKS" --num_tasks 0 \
-    --exclude "$T$([ "$N_VAL" -gt 0 ] && echo ",$V" || true)"
+    --exclude "$T,$NOTV"
 else
   [ "$N_VAL" -gt 0 ] && gen "$V" --num_tasks "$N_VAL" --seed 4 --split train
-  gen "$RUN/train_tasks.jsonl" --num_tasks "$N_TRAIN" --seed $((SEED + 2)) --split train \
-    --exclude "$([ "$N_VAL" -gt 0 ] && echo "$V" || true)"
+  gen "$RUN/train_tasks.jsonl" --num_tasks "$N_TRAIN" --seed $((SEED + 2)) --split train --exclude "$NOTV"
 fi
 val_of() {  # val_of POLICY TAG [DIR]: POLICY on the validation tasks (2 dialogues each); VAL_SUCCESS = its success
   local d=${3:-$RUN}; rollout "$1" "$V" "$d/val_$2.jsonl" --samples 2 --seed 0  # one seed for every draw's
@@ -98,8 +97,7 @@ val_of() {  # val_of POLICY TAG [DIR]: POLICY on the validation tasks (2 dialogu
 POLICY=$MODEL VAL_START=start
 if [ "$N_WARMUP" -gt 0 ] && [ -z "$TRAIN_TASKS" ]; then
   log "protocol warm-up: SFT on oracle dialogues (the starting policy of every method; docs/curriculum.md)"
-  gen "$S/warmup_tasks.jsonl" --num_tasks "$N_WARMUP" --seed 3 --split train \
-    --exclude "$([ "$N_VAL" -gt 0 ] && echo "$V" || true)"
+  gen "$S/warmup_tasks.jsonl" --num_tasks "$N_WARMUP" --seed 3 --split train --exclude "$NOTV"
   for try in $(seq 0 "$TRIES"); do  # calibration: redo the warm-up with another hasty share until the start lies in BAND
     sfx=$([ "$try" = 0 ] || echo "_hasty$HASTY"); W=$S/warmup_oracle$sfx
     rollout "$MODEL" "$S/warmup_tasks.jsonl" "$W.jsonl" --agent_backend oracle --oracle_hasty "$HASTY" \

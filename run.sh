@@ -18,7 +18,8 @@ AGENT_BACKEND=${AGENT_BACKEND:-}      # hf | vllm (empty: vllm for a non-embedde
 BASELINES=${BASELINES:-0}             # 1: also multi-turn DPO and rejection fine-tuning
 ABLATIONS=${ABLATIONS:-0}             # 1: also the no-information critic, the Monte-Carlo values, the viewer's colours
 PROMPT_DIR=${PROMPT_DIR:-} CLIP_MODEL=${CLIP_MODEL:-}  # prompt templates replacing ours; html: a local CLIP model
-N_TRAIN=${N_TRAIN:-60} N_TEST=${N_TEST:-200} N_VAL=${N_VAL:-50} N_WARMUP=${N_WARMUP:-240}  # tasks (N_WARMUP=0: no warm-up)
+N_TRAIN=${N_TRAIN:-60} N_TEST=${N_TEST:-200} N_VAL=${N_VAL:-50} N_WARMUP=${N_WARMUP:-240}  # tasks (N_WARMUP=0: no
+# warm-up; N_TEST=0 on procedural tasks: a tuning draw, trained and selected but not tested, bench/tune_lr.sh)
 SAMPLES=${SAMPLES:-4} CANDIDATES=${CANDIDATES:-8}  # rollouts per train task; candidate turns per state (released: 3, 16)
 DATA_FRACTION=${DATA_FRACTION:-0.2}   # label_turns: share of train trajectories labelled (released: 0.1)
 MC_STATES=${MC_STATES:-$([ "$ABLATIONS" = 1 ] && [ "${MODEL:-embedded}" = embedded ] && echo 12 || echo 0)}  # ABLATIONS=1:
@@ -158,6 +159,8 @@ if [ "$BASELINES" = 1 ]; then
   dpo mtdpo --mode trajectory --trajectories "$G"; METHODS="$METHODS multi_turn_dpo:$BEST"
   dpo rft --mode sft --trajectories "$G"; METHODS="$METHODS rejection_ft:$BEST"
 fi
+if [ "$N_TEST" = 0 ] && [ -z "$TEST_TASKS" ]; then  # a tuning draw (bench/tune_lr.sh): its methods are trained and selected, never tested
+  log "done ($RUN): N_TEST=0, no test rollouts; validation in $RUN/select_*.txt"; exit 0; fi
 log "test rollouts (same tasks and seeds for every method)"; runs=() pols=()
 for m in $METHODS; do name=${m%%:*} policy=${m#*:} ref=()
   if [ "$name" != zero_shot ] && [ "$policy" = "$POLICY" ]; then  # validation kept the start: zero_shot's dialogues

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The fair protocol's one tuning procedure: every method gets the same learning-rate grid on the validation tasks
-# of a tuning draw that is never reported. The draw is a finished `BASELINES=1 bash run.sh` run directory; for each
-# other rate this copies its stages up to the turn labels (nothing is redone) and trains and selects
-# every method again at that rate. Each method's score at a rate is its validation success at the snapshot its
-# selection kept; pick per method the rate with the highest (a tie: the lower rate) and record it in docs/log.md.
-#   BASELINES=1 SEED=10 RUN=runs/tune bash run.sh               # the tuning draw, at the default LR_DPO
+# of a tuning draw that is never reported (N_TEST=0: no test rollouts). beta and the NLL weight stay at the
+# paper's values (0.1, 0.01) for both DPO methods. The draw is a finished `N_TEST=0 BASELINES=1 bash run.sh` run
+# directory; for each other rate this copies its stages up to the turn labels and the reference log-probs (nothing
+# is redone) and trains and selects every method again at that rate. Each method's score at a rate is its
+# validation success at the snapshot its selection kept; pick per method the rate with the highest (a tie: the
+# lower rate) and record it in docs/log.md.
+#   N_TEST=0 BASELINES=1 SEED=10 RUN=runs/tune bash run.sh       # the tuning draw, at the default LR_DPO
 #   bash bench/tune_lr.sh runs/tune 2e-6 2e-5                     # the same draw at the other rates of the grid
 set -euo pipefail
 cd "$(dirname "$0")/.."
 draw=${1:?usage: bash bench/tune_lr.sh RUN_DIR LR [LR ...]}; shift
-[ -f "$draw/results.json" ] || { echo "tune_lr.sh: $draw has no results.json: finish its run.sh first" >&2; exit 1; }
+[ -f "$draw/select_rft.json" ] || { echo "tune_lr.sh: $draw has no select_rft.json: finish its BASELINES=1 run.sh first" >&2
+  exit 1; }
 seed=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["seed"])' "$draw/critic/run_settings.json")
 for lr in "$@"; do
   out=${draw%/}_lr$lr
@@ -17,8 +20,9 @@ for lr in "$@"; do
     for f in "$draw"/*; do case $(basename "$f") in  # the draw's own stages up to the labels; not its updates
       policy_*|val_*|select_*|results.*|report.html|test_sweet_rl*|test_multi_turn_dpo*|test_rejection_ft*) ;;
       *) cp -a "$f" "$out/" ;; esac; done
-  fi
-  RUN=$out SEED=$seed LR_DPO=$lr BASELINES=1 bash run.sh
+    for m in sweet mtdpo; do mkdir -p "$out/policy_$m"; cp -a "$draw/policy_$m/ref_logprobs" "$out/policy_$m/"; done
+  fi  # (the reference log-probs are the start's, kept by content: the same at every rate)
+  RUN=$out SEED=$seed LR_DPO=$lr BASELINES=1 N_TEST=0 bash run.sh
 done
 python3 - "$draw" "$@" <<'EOF'
 import json, sys

@@ -100,6 +100,21 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
     p2 = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p2.returncode == 0 and "0 to run" in p2.stderr and "reusing" in p2.stdout
     assert "Traceback" not in p2.stderr
+    # the tuning procedure: the draw's stages up to the labels reused, every method trained and selected again at
+    # another rate, never tested (N_TEST=0)
+    p3 = subprocess.run(["bash", "bench/tune_lr.sh", str(run), "2e-3"], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=900)
+    assert p3.returncode == 0, p3.stdout[-4000:] + p3.stderr[-4000:]
+    tuned = tmp_path / "run_lr2e-3"
+    assert "reusing " + str(tuned / "critic") in p3.stdout and "0 to compute" in p3.stdout  # critic, pi_ref log-probs
+    assert (tuned / "pairs.jsonl").read_bytes() == (run / "pairs.jsonl").read_bytes()
+    for name in ("sweet", "mtdpo", "rft"):
+        sel = json.loads((tuned / f"select_{name}.json").read_text())
+        assert sel["methods"][f"{name}_end"]["training"]["lr"] == 2e-3
+        assert sel["methods"][f"{name}_end"]["training"]["steps"] == steps
+    assert not list(tuned.glob("test_sweet_rl*")) and not (tuned / "results.json").exists()
+    table = p3.stdout[p3.stdout.index("(validation success of the kept policy)"):].splitlines()
+    assert [line.split()[0] for line in table[1:3]] == ["1e-03", "2e-03"]
 
 
 def test_run_sh_html_loop(tiny_model, tmp_path):

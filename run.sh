@@ -26,7 +26,9 @@ MC_STATES=${MC_STATES:-$([ "$ABLATIONS" = 1 ] && [ "${MODEL:-embedded}" = embedd
 # labelled states whose candidates are valued by 16 continuations each (credit_accuracy; at scale ~400 dialogues of
 # the 70B human, so 0 unless set)
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-96}  # longest agent turn
-LR_CRITIC=${LR_CRITIC:-1e-4} LR_DPO=${LR_DPO:-6e-6}  # released: 2e-7 both
+LR_CRITIC=${LR_CRITIC:-1e-4}          # released: 2e-7
+LR_DPO=${LR_DPO:-2e-6} LR_RFT=${LR_RFT:-2e-5}  # SWEET-RL and multi-turn DPO; RFT: one grid (bench/tune_lr.sh, docs/log.md)
+# (released: DPO 2e-7; the paper gives no RFT rate)
 TRAIN_TRAJECTORIES=${TRAIN_TRAJECTORIES:-}  # trajectories in the released schema to train from, instead of train rollouts
 PY=${PY:-}                            # a python with the requirements (empty: setup.sh makes .venv)
 if [ -z "$PY" ]; then bash setup.sh; PY=.venv/bin/python; fi
@@ -44,7 +46,7 @@ HASTY=0.15 MISTAKE=0.2 BAND=0.25,0.55 TRIES=2 TURNS=10; [ "$TASK_TYPE" = html ] 
 [ "$TASK_TYPE" = code ] && [ -z "$TRAIN_TASKS$TEST_TASKS" ] && TURNS=4
 echo "run.sh: run directory $RUN$([ -d "$RUN" ] && echo ' (exists: finished stages are reused)')"
 for v in TASK_TYPE SMALL SEED MODEL TRAIN_TASKS TEST_TASKS SIMULATOR_URL NPROC AGENT_BACKEND BASELINES ABLATIONS PROMPT_DIR CLIP_MODEL \
-  N_TRAIN N_TEST N_VAL N_WARMUP SAMPLES CANDIDATES DATA_FRACTION MC_STATES MAX_NEW_TOKENS LR_CRITIC LR_DPO TRAIN_TRAJECTORIES; do
+  N_TRAIN N_TEST N_VAL N_WARMUP SAMPLES CANDIDATES DATA_FRACTION MC_STATES MAX_NEW_TOKENS LR_CRITIC LR_DPO LR_RFT TRAIN_TRAJECTORIES; do
   printf '  %s=%s\n' "$v" "${!v-}"; done
 mkdir -p "$RUN"; free_kb=$(df -Pk "$RUN" | awk 'NR == 2 {print $4}')  # a whole embedded run writes 3.6 GB
 [ "$EMB" = 1 ] && [ "${free_kb:-0}" -lt 6291456 ] && echo "run.sh: warning: $((free_kb / 1048576)) GB free for $RUN (set RUN=dir)" >&2
@@ -151,13 +153,13 @@ if [ "$MC_STATES" -gt 0 ] && [ -s "$MC.jsonl" ]; then rollout "$POLICY" "" "${MC
   credit; fi  # again: the report with the values
 # every method: the same optimizer steps (SWEET-RL's one pass over its pairs) at batch 8, the same snapshots
 STEPS=$(( ($(wc -l < "$RUN/pairs.jsonl") + 7) / 8 ))
-dpo() { train "$RUN/policy_$1" train_dpo.py --model "$POLICY" --lr "$LR_DPO" --seed "$SEED" --task_type "$TASK_TYPE" \
-  --train_layers "$TRAIN_LAYERS" --steps "$STEPS" --batch_size 8 $SNAP "${@:2}"; best_of "$1" "$RUN/policy_$1"; }
-dpo sweet --mode turn --pairs "$RUN/pairs.jsonl"; METHODS="zero_shot:$POLICY sweet_rl:$BEST"
+dpo() { train "$RUN/policy_$1" train_dpo.py --model "$POLICY" --lr "$2" --seed "$SEED" --task_type "$TASK_TYPE" \
+  --train_layers "$TRAIN_LAYERS" --steps "$STEPS" --batch_size 8 $SNAP "${@:3}"; best_of "$1" "$RUN/policy_$1"; }
+dpo sweet "$LR_DPO" --mode turn --pairs "$RUN/pairs.jsonl"; METHODS="zero_shot:$POLICY sweet_rl:$BEST"
 if [ "$BASELINES" = 1 ]; then
   log "baselines: multi-turn DPO and rejection fine-tuning (same start, train data, $STEPS steps, selection)"
-  dpo mtdpo --mode trajectory --trajectories "$G"; METHODS="$METHODS multi_turn_dpo:$BEST"
-  dpo rft --mode sft --trajectories "$G"; METHODS="$METHODS rejection_ft:$BEST"
+  dpo mtdpo "$LR_DPO" --mode trajectory --trajectories "$G"; METHODS="$METHODS multi_turn_dpo:$BEST"
+  dpo rft "$LR_RFT" --mode sft --trajectories "$G"; METHODS="$METHODS rejection_ft:$BEST"
 fi
 if [ "$N_TEST" = 0 ] && [ -z "$TEST_TASKS" ]; then  # a tuning draw (bench/tune_lr.sh): its methods are trained and selected, never tested
   log "done ($RUN): N_TEST=0, no test rollouts; validation in $RUN/select_*.txt"; exit 0; fi

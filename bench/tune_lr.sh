@@ -6,8 +6,8 @@
 # is redone) and trains and selects every method again at that rate. Each method's score at a rate is its
 # validation success at the snapshot its selection kept; pick per method the rate with the highest (a tie: the
 # lower rate) and record it in docs/log.md.
-#   N_TEST=0 BASELINES=1 SEED=10 RUN=runs/tune bash run.sh       # the tuning draw, at the default LR_DPO
-#   bash bench/tune_lr.sh runs/tune 2e-6 2e-5                     # the same draw at the other rates of the grid
+#   N_TEST=0 BASELINES=1 SEED=10 LR_DPO=6e-6 LR_RFT=6e-6 RUN=runs/tune bash run.sh   # the tuning draw, one rate
+#   bash bench/tune_lr.sh runs/tune 6e-7 2e-6 2e-5 6e-5          # the same draw at the grid's other rates
 set -euo pipefail
 cd "$(dirname "$0")/.."
 draw=${1:?usage: bash bench/tune_lr.sh RUN_DIR LR [LR ...]}; shift
@@ -22,14 +22,17 @@ for lr in "$@"; do
       *) cp -a "$f" "$out/" ;; esac; done
     for m in sweet mtdpo; do mkdir -p "$out/policy_$m"; cp -a "$draw/policy_$m/ref_logprobs" "$out/policy_$m/"; done
   fi  # (the reference log-probs are the start's, kept by content: the same at every rate)
-  RUN=$out SEED=$seed LR_DPO=$lr BASELINES=1 N_TEST=0 bash run.sh
+  RUN=$out SEED=$seed LR_DPO=$lr LR_RFT=$lr BASELINES=1 N_TEST=0 bash run.sh
 done
 python3 - "$draw" "$@" <<'EOF'
 import json, sys
 draw, lrs = sys.argv[1].rstrip("/"), sys.argv[2:]
-dirs = {json.load(open(f"{draw}/policy_sweet/run_settings.json"))["lr"]: draw, **{float(lr): f"{draw}_lr{lr}" for lr in lrs}}
-print(f"{'lr':>8}" + "".join(f"{m:>10}" for m in ("sweet", "mtdpo", "rft")) + "   (validation success of the kept policy)")
-for lr, d in sorted(dirs.items()):
-    kept = [json.load(open(f"{d}/select_{m}.json")) for m in ("sweet", "mtdpo", "rft")]
-    print(f"{lr:>8.0e}" + "".join(f"{100 * s['methods'][s['selected']]['success']:>9.1f}%" for s in kept))
+table, methods = {}, ("sweet", "mtdpo", "rft")
+for d in [draw, *(f"{draw}_lr{lr}" for lr in lrs)]:  # each method at the rate its own run used
+    for m in methods:
+        s = json.load(open(f"{d}/select_{m}.json"))
+        table.setdefault(json.load(open(f"{d}/policy_{m}/run_settings.json"))["lr"], {})[m] = s["methods"][s["selected"]]
+print(f"{'lr':>8}" + "".join(f"{m:>10}" for m in methods) + "   (validation success of the kept policy)")
+for lr, row in sorted(table.items()):
+    print(f"{lr:>8.0e}" + "".join(f"{100 * row[m]['success']:>9.1f}%" if m in row else f"{'':>10}" for m in methods))
 EOF

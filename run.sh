@@ -27,8 +27,8 @@ MC_STATES=${MC_STATES:-$([ "$ABLATIONS" = 1 ] && [ "${MODEL:-embedded}" = embedd
 # the 70B human, so 0 unless set)
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-96}  # longest agent turn
 LR_CRITIC=${LR_CRITIC:-1e-4}          # released: 2e-7
-LR_DPO=${LR_DPO:-2e-6} LR_RFT=${LR_RFT:-2e-5}  # SWEET-RL and multi-turn DPO; RFT: one grid (bench/tune_lr.sh, docs/log.md)
-# (released: DPO 2e-7; the paper gives no RFT rate)
+LR_DPO=${LR_DPO:-6e-7} LR_MTDPO=${LR_MTDPO:-2e-6} LR_RFT=${LR_RFT:-2e-5}  # SWEET-RL, the baselines: one grid
+# chose each (bench/tune_lr.sh, docs/log.md; released: DPO 2e-7, and the paper gives no RFT rate)
 TRAIN_TRAJECTORIES=${TRAIN_TRAJECTORIES:-}  # trajectories in the released schema to train from, instead of train rollouts
 PY=${PY:-}                            # a python with the requirements (empty: setup.sh makes .venv)
 if [ -z "$PY" ]; then bash setup.sh; PY=.venv/bin/python; fi
@@ -46,7 +46,7 @@ HASTY=0.15 MISTAKE=0.2 BAND=0.25,0.55 TRIES=2 TURNS=10; [ "$TASK_TYPE" = html ] 
 [ "$TASK_TYPE" = code ] && [ -z "$TRAIN_TASKS$TEST_TASKS" ] && TURNS=4
 echo "run.sh: run directory $RUN$([ -d "$RUN" ] && echo ' (exists: finished stages are reused)')"
 for v in TASK_TYPE SMALL SEED MODEL TRAIN_TASKS TEST_TASKS SIMULATOR_URL NPROC AGENT_BACKEND BASELINES ABLATIONS PROMPT_DIR CLIP_MODEL \
-  N_TRAIN N_TEST N_VAL N_WARMUP SAMPLES CANDIDATES DATA_FRACTION MC_STATES MAX_NEW_TOKENS LR_CRITIC LR_DPO LR_RFT TRAIN_TRAJECTORIES; do
+  N_TRAIN N_TEST N_VAL N_WARMUP SAMPLES CANDIDATES DATA_FRACTION MC_STATES MAX_NEW_TOKENS LR_CRITIC LR_DPO LR_MTDPO LR_RFT TRAIN_TRAJECTORIES; do
   printf '  %s=%s\n' "$v" "${!v-}"; done
 mkdir -p "$RUN"; free_kb=$(df -Pk "$RUN" | awk 'NR == 2 {print $4}')  # a whole embedded run writes 3.6 GB
 [ "$EMB" = 1 ] && [ "${free_kb:-0}" -lt 6291456 ] && echo "run.sh: warning: $((free_kb / 1048576)) GB free for $RUN (set RUN=dir)" >&2
@@ -158,7 +158,7 @@ dpo() { train "$RUN/policy_$1" train_dpo.py --model "$POLICY" --lr "$2" --seed "
 dpo sweet "$LR_DPO" --mode turn --pairs "$RUN/pairs.jsonl"; METHODS="zero_shot:$POLICY sweet_rl:$BEST"
 if [ "$BASELINES" = 1 ]; then
   log "baselines: multi-turn DPO and rejection fine-tuning (same start, train data, $STEPS steps, selection)"
-  dpo mtdpo "$LR_DPO" --mode trajectory --trajectories "$G"; METHODS="$METHODS multi_turn_dpo:$BEST"
+  dpo mtdpo "$LR_MTDPO" --mode trajectory --trajectories "$G"; METHODS="$METHODS multi_turn_dpo:$BEST"
   dpo rft "$LR_RFT" --mode sft --trajectories "$G"; METHODS="$METHODS rejection_ft:$BEST"
 fi
 if [ "$N_TEST" = 0 ] && [ -z "$TEST_TASKS" ]; then  # a tuning draw (bench/tune_lr.sh): its methods are trained and selected, never tested

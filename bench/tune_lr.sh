@@ -6,7 +6,7 @@
 # is redone) and trains and selects every method again at that rate. Each method's score at a rate is its
 # validation success at the snapshot its selection kept; pick per method the rate with the highest (a tie: the
 # lower rate) and record it in docs/log.md.
-#   N_TEST=0 BASELINES=1 SEED=10 LR_DPO=6e-6 LR_RFT=6e-6 RUN=runs/tune bash run.sh   # the tuning draw, one rate
+#   N_TEST=0 BASELINES=1 SEED=10 LR_DPO=6e-6 LR_MTDPO=6e-6 LR_RFT=6e-6 RUN=runs/tune bash run.sh  # a rate
 #   bash bench/tune_lr.sh runs/tune 6e-7 2e-6 2e-5 6e-5          # the same draw at the grid's other rates
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +22,7 @@ for lr in "$@"; do
       *) cp -a "$f" "$out/" ;; esac; done
     for m in sweet mtdpo; do mkdir -p "$out/policy_$m"; cp -a "$draw/policy_$m/ref_logprobs" "$out/policy_$m/"; done
   fi  # (the reference log-probs are the start's, kept by content: the same at every rate)
-  RUN=$out SEED=$seed LR_DPO=$lr LR_RFT=$lr BASELINES=1 N_TEST=0 bash run.sh
+  RUN=$out SEED=$seed LR_DPO=$lr LR_MTDPO=$lr LR_RFT=$lr BASELINES=1 N_TEST=0 bash run.sh
 done
 python3 - "$draw" "$@" <<'EOF'
 import json, sys

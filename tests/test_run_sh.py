@@ -33,7 +33,8 @@ def oracle_trajectories(tmp_path, task_type="code", n=3):
 def test_run_sh_end_to_end(tiny_model, tmp_path):
     env = {**os.environ, "PY": sys.executable, "RUN": str(tmp_path / "run"), "MODEL": tiny_model, "N_WARMUP": "0",
            "TRAIN_TRAJECTORIES": str(oracle_trajectories(tmp_path)), "N_TEST": "2", "N_VAL": "2", "CANDIDATES": "2",
-           "DATA_FRACTION": "0.2", "MAX_NEW_TOKENS": "8", "BASELINES": "1", "LR_CRITIC": "1e-3", "LR_DPO": "1e-3", "LR_RFT": "1e-3", "MC_STATES": "1",
+           "DATA_FRACTION": "0.2", "MAX_NEW_TOKENS": "8", "BASELINES": "1", "LR_CRITIC": "1e-3", "LR_DPO": "1e-3", "LR_MTDPO": "2e-3",
+           "LR_RFT": "3e-3", "MC_STATES": "1",
            "ABLATIONS": "1", "OMP_NUM_THREADS": "1"}
     p = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
@@ -53,6 +54,7 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
         assert sel["methods"][f"{name}_end"]["training"]["steps"] == steps
         assert sel["methods"][f"{name}_end"]["training"]["step"] == steps
         assert sel["methods"][f"{name}_end"]["training"]["mode"] == {"sweet": "turn", "mtdpo": "trajectory"}.get(name, "sft")
+        assert sel["methods"][f"{name}_end"]["training"]["lr"] == {"sweet": 1e-3, "mtdpo": 2e-3, "rft": 3e-3}[name]
         assert res["methods"][method]["policy"] == sel["selected_policy"]
     # the tiny model succeeds nowhere: every policy ties at 0 on validation, the start wins the tie, and an update
     # that kept its start reuses zero_shot's test dialogues instead of rolling them out again
@@ -114,7 +116,8 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
         assert sel["methods"][f"{name}_end"]["training"]["steps"] == steps
     assert not list(tuned.glob("test_sweet_rl*")) and not (tuned / "results.json").exists()
     table = p3.stdout[p3.stdout.index("(validation success of the kept policy)"):].splitlines()
-    assert [line.split()[0] for line in table[1:3]] == ["1e-03", "2e-03"]
+    assert [line.split()[0] for line in table[1:4]] == ["1e-03", "2e-03", "3e-03"]  # each method at its run's rate
+    assert len(table[1].split()) == 2 and len(table[2].split()) == 4 and len(table[3].split()) == 2
 
 
 def test_run_sh_html_loop(tiny_model, tmp_path):
@@ -183,7 +186,7 @@ def test_run_sh_on_colbench_files_uses_released_settings(tiny_model, tmp_path):
            "PROMPT_DIR": str(prompts), "TRAIN_TRAJECTORIES": str(trajectories)}
     p = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
-    for setting in ("N_VAL=0", "N_WARMUP=0", "SAMPLES=3", "LR_DPO=2e-7", "LR_RFT=2e-7", "MAX_NEW_TOKENS=8", "N_TEST=4"):  # what is set wins
+    for setting in ("N_VAL=0", "N_WARMUP=0", "SAMPLES=3", "LR_DPO=2e-7", "LR_MTDPO=2e-7", "LR_RFT=2e-7", "MAX_NEW_TOKENS=8", "N_TEST=4"):  # what is set wins
         assert f"  {setting}\n" in p.stdout, setting
     run = tmp_path / "run"
     assert len(read(run / "train_tasks.jsonl")) == 104 and len(read(run / "test_tasks.jsonl")) == 4  # whole file; first N_TEST

@@ -27,7 +27,7 @@ MC_STATES=${MC_STATES:-$([ "$ABLATIONS" = 1 ] && [ "${MODEL:-embedded}" = embedd
 # the 70B human, so 0 unless set)
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-96}  # longest agent turn
 LR_CRITIC=${LR_CRITIC:-1e-4}          # released: 2e-7
-LR_DPO=${LR_DPO:-6e-7} LR_MTDPO=${LR_MTDPO:-2e-6} LR_RFT=${LR_RFT:-2e-5}  # SWEET-RL, the baselines: one grid
+LR_DPO=${LR_DPO:-6e-7} LR_MTDPO=${LR_MTDPO:-2e-6} LR_RFT=${LR_RFT:-6e-5}  # SWEET-RL, the baselines: one grid
 # chose each (bench/tune_lr.sh, docs/log.md; released: DPO 2e-7, and the paper gives no RFT rate)
 TRAIN_TRAJECTORIES=${TRAIN_TRAJECTORIES:-}  # trajectories in the released schema to train from, instead of train rollouts
 PY=${PY:-}                            # a python with the requirements (empty: setup.sh makes .venv)

@@ -245,13 +245,34 @@ def labelled_states(pairs):
     return states
 
 
+def critic_forms(pairs):
+    """{critic name: its form, e.g. 'ranking paper, normalization turn, lr 0.0001'} from the run settings label_turns.py
+    wrote beside PAIRS and each critic's own (train_critic.py's); {} where they are missing."""
+    found = sorted(Path(pairs).parent.glob(f"{Path(pairs).name}*.run_settings.json"))
+    labelling = [f for f in found if not f.name.endswith(".credit.run_settings.json")]
+    if not labelling:
+        return {}
+    settings = json.loads(labelling[0].read_text())
+    dirs = {"sweet": settings["critic"], **dict(kv.split("=", 1) for kv in settings.get("credit_critics", "").split(",")
+                                               if "=" in kv)}
+    forms = {}
+    for name, d in dirs.items():
+        path = Path(settings.get("cwd", "."), d, "run_settings.json")
+        if path.exists():
+            c = json.loads(path.read_text())
+            forms[name] = (f"ranking {c.get('ranking', 'paper')}, normalization {c.get('normalization', 'turn')}, "
+                           f"lr {c.get('lr')}" + (", no training info" if c.get("no_training_info") else ""))
+    return forms
+
+
 def report(out_path):
     """Turn credit of every critic on the labelled states of out_path (label_turns' PAIRS), printed and written to
     PAIRS.credit.json (its "lines" as printed): credit_accuracy on the pairs the reward decides (once the
     Monte-Carlo continuations are graded, PAIRS.mc_graded.jsonl) and the class diagnostics."""
     states = labelled_states(out_path)
     critics = list(dict.fromkeys(k for s in states for k in s["advantages_by_critic"] if k != "untrained"))
-    report = {"states": len(states), "states_with_classes": sum("classes" in s for s in states), "lines": []}
+    report = {"states": len(states), "states_with_classes": sum("classes" in s for s in states), "lines": [],
+              "forms": critic_forms(out_path)}
     values = mc_values(out_path) if Path(mc_paths(out_path)[2]).exists() else {}
     if values or any(s.get("grades") for s in states):  # pairs the reward can decide
         report.update(decided_report(states, values, critics))
@@ -264,7 +285,9 @@ def report(out_path):
             "diagnostic, class accuracy (candidates of different true classes): "
             + accuracy_line(report["class_accuracy"]) + "; " + kind_order_line(report["kind_order"]),
             "DPO pairs against the true classes: " + ", ".join(f"{k} {v}" for k, v in report["dpo_pairs"].items()),
-            *(f"  {name}: " + ", ".join(f"{k} {a:.3f} ({n})" for k, (a, n) in split.items())
+            "class pairs by kind, each critic in the form that ranked (beside the state-blind order above):",
+            *(f"  {name}" + (f" ({report['forms'][name]})" if name in report["forms"] else "") + ": "
+              + ", ".join(f"{k} {a:.3f} ({n})" for k, (a, n) in split.items())
               for name, split in report["by_kind"].items())]
     print("\n".join(report["lines"]) or f"{out_path}: no turn credit to report (no classes, no graded values)")
     common.write_text(f"{out_path}.credit.json", json.dumps(report, indent=2))

@@ -297,7 +297,8 @@ def compare(args):
     credit = json.loads(credit_file.read_text()) if args.credit and credit_file.exists() else {}
     if args.credit and not credit:
         print(f"{credit_file}: not found (credit.py writes it); no turn credit in the results", file=sys.stderr)
-    res.update({k: v for k, v in credit.items() if k.startswith("credit_") or k == "class_accuracy"})
+    res.update({k: v for k, v in credit.items()
+                if k.startswith("credit_") or k in ("class_accuracy", "by_kind", "kind_order", "forms")})
     last = "exact design" if html else "tests passed"
     print(f"{'method':<16}{score:>11}{'95% interval':>18}{'vs ' + base:>14}{'95% interval':>18}{last:>14}"
           + (f"{'win rate':>10}{'95% interval':>16}" if html else ""))

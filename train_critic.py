@@ -55,6 +55,10 @@ class Args:
     """longest token sequence; a longer one keeps c whole and the last tokens of the dialogue"""
     normalization: str = "turn"
     """turn: sum of per-turn mean log-ratios (paper) | trajectory: one mean over all agent tokens (released code)"""
+    ranking: str = "paper"
+    """how label_turns.py ranks a state's candidate turns: paper (equation 3: log pi_critic - log pi_ref, both given
+    c) | released (the release's rank_best_of_n: log pi_critic given c minus the sampler's log-prob given o alone,
+    which adds pi_ref's pointwise mutual information of c and the turn)"""
     no_training_info: bool = False
     """ablation: the critic does not see the ground truth"""
     heldout_fraction: float = 0.1
@@ -102,7 +106,9 @@ def training_info(task, no_training_info=False):
 # A critic variant (another normalisation, a value head, an LLM judge...) is an edit of this block:
 # label_turns.py ranks candidate turns with turn_advantage, so training and labelling stay in step.
 # Inputs are per-turn sums of agent-token log-probs under the critic and under pi_ref (both given
-# c + o_t), and each turn's token count, as common.turn_logprobs returns them: [n_turns] each.
+# c + o_t; with --ranking released, pi_ref given o_t alone when ranking), and each turn's token count,
+# as common.turn_logprobs returns them: [n_turns] each. The released code's two forms are choices here:
+# --normalization trajectory (its critic's score) and --ranking released (its ranking's baseline).
 def turn_advantage(logp_sum, ref_sum, count, beta):
     """A(o_t, a_t, c) = beta * mean over a_t's tokens of [log pi_critic - log pi_ref]: [n_turns]."""
     return beta * (logp_sum - ref_sum) / count.clamp(min=1)
@@ -121,23 +127,31 @@ def critic_loss(score_chosen, score_rejected):
 
 
 # The same A, as the stages after training read it (label_turns.py ranks candidates by it; view.py colours
-# turns by it). settings: the critic's run_settings.json (beta, no_training_info); critic and pi_ref both see c.
+# turns by it). settings: the critic's run_settings.json (beta, no_training_info, ranking).
+def ranking_prefix(task, settings):
+    """What pi_ref reads before o_t when ranking: c, as the critic does (paper), or nothing (released: the sampler)."""
+    released = settings.get("ranking", "paper") == "released"
+    return "" if released else training_info(task, settings.get("no_training_info", False))
+
+
 def candidate_advantages(critic, ref, tok, settings, task, prompt, candidates, max_len, max_tokens=None):
     """A(o_t, a, c) of each candidate turn a at one state o_t (the stored prompt): [N]."""
     prefix = training_info(task, settings.get("no_training_info", False))
     prompt_ids, cand_ids = common.encode_shared(tok, prefix, prompt, candidates, max_len)
     logp_sum, count = common.shared_prompt_logprobs(critic, prompt_ids, cand_ids, max_tokens=max_tokens)  # fast path
+    prompt_ids, _ = common.encode_shared(tok, ranking_prefix(task, settings), prompt, candidates, max_len)
     ref_sum, _ = common.shared_prompt_logprobs(ref, prompt_ids, cand_ids, max_tokens=max_tokens)
     return turn_advantage(logp_sum, ref_sum, count, settings["beta"])
 
 
 def dialogue_advantages(critic, ref, tok, settings, traj, max_len):
-    """A(o_t, a_t, c) of every agent turn of one trajectory: [n_turns]."""
+    """A(o_t, a_t, c) of every agent turn of one trajectory: [n_turns] (0 for a turn cut off by max_len)."""
     turns = colbench.agent_turns(traj)
     prefix = training_info(traj["task"], settings.get("no_training_info", False))
-    seqs = common.tokenize_turns(tok, turns, prefix, max_len)
-    logp_sum, count = common.turn_logprobs(critic, seqs, len(turns))
-    return turn_advantage(logp_sum, common.turn_logprobs(ref, seqs, len(turns))[0], count, settings["beta"])
+    logp_sum, count = common.turn_logprobs(critic, common.tokenize_turns(tok, turns, prefix, max_len), len(turns))
+    ref_seqs = common.tokenize_turns(tok, turns, ranking_prefix(traj["task"], settings), max_len)
+    ref_sum, ref_count = common.turn_logprobs(ref, ref_seqs, len(turns))
+    return turn_advantage(logp_sum, ref_sum, count, settings["beta"]) * (count == ref_count)
 # ===============================================================================================
 
 
@@ -153,6 +167,7 @@ def load_critic(critic_dir):
 
 def main(args):
     common.refuse(args.normalization not in ("turn", "trajectory") and "--normalization: choose turn or trajectory",
+                  args.ranking not in ("paper", "released") and "--ranking: choose paper or released",
                   args.task_type not in ("code", "html") and f"--task_type {args.task_type}: choose code or html",
                   args.beta <= 0 and "--beta must be positive", *training.argument_problems(args),
                   not 0 <= args.heldout_fraction < 1 and "--heldout_fraction must be in [0, 1)")

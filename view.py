@@ -13,6 +13,7 @@ true class on procedural tasks. Html tasks show the target and answer renders.
 from __future__ import annotations
 
 import html
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,6 +194,15 @@ def main(args):
     summary = ", ".join(f"{name}: {100 * totals[name][1] / totals[name][0]:.1f}% success over {totals[name][0]} "
                         f"dialogues, {len(rows)} shown" for name, rows in runs.items())
     summary += f"; {len(states)} labelled states" if states else ""
+    credit = Path(f"{args.states[: -len('.states.jsonl')]}.credit.json") if args.states else None
+    if credit and credit.exists():  # credit.py's turn credit by kind of class pair, for the form that ranked
+        report = json.loads(credit.read_text())
+        for name, split in report.get("by_kind", {}).items():
+            summary += (f"; turn credit of {name}" + (f" ({report['forms'][name]})" if name in report.get("forms", {})
+                                                      else "") + ": "
+                        + ", ".join(f"{k} {a:.2f} ({n} pairs)" for k, (a, n) in split.items()))
+        if report.get("kind_order"):
+            summary += f"; state-blind best order {report['kind_order']['order']} {report['kind_order']['accuracy']:.2f}"
     summary += f"; turn colours: advantage from the critic {html.escape(args.critic)}" if args.critic else ""
     legend = "".join(f'<span style="background:{colour(x * scale, scale)}">{x * scale:+.3f}</span>'
                      for x in (-1, -0.5, 0, 0.5, 1))

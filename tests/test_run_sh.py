@@ -90,6 +90,10 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
     for f in ("test_zero_shot.jsonl", "pairs.jsonl.credit", "pairs.jsonl.mc_rollouts.jsonl"):
         assert json.loads((run / f"{f}.run_settings.json").read_text())["max_turns"] == 4, f
     assert res["credit_pairs"] == report["credit_pairs"] and res.get("credit_kind_order") == report["credit_kind_order"]
+    # turn credit by kind of class pair, in results.json too, each critic named with the form that ranked
+    assert res["by_kind"] == report["by_kind"] and res["kind_order"] == report["kind_order"]
+    assert set(report["forms"]) == {"sweet", "no_training_info"} and "no training info" in report["forms"]["no_training_info"]
+    assert report["forms"]["sweet"].startswith("ranking ") and f"  sweet ({report['forms']['sweet']}): " in table
     settings = json.loads((run / "critic" / "run_settings.json").read_text())
     assert settings["epochs"] == 4 and settings["train_layers"] == 0 and settings["grad_ckpt"] is False  # a real model:
     assert settings["schedule"] == "released"  # the released recipe

@@ -173,6 +173,20 @@ def test_labelling_and_the_viewer_score_through_the_critic_block(tok_model, tiny
                 assert adv == pytest.approx(train_critic.dialogue_advantages(critic, ref, tok, settings, traj, 4096).item(),
                                             abs=1e-5)
     assert max(abs(a - b) for a, b in zip(got[False], got[True])) > 1e-4  # c changes the advantage
+    # --ranking released: the critic given c minus pi_ref (the sampler) given o alone, per-token means
+    settings = {"beta": 0.3, "no_training_info": False, "ranking": "released"}
+    with torch.no_grad():
+        released = train_critic.candidate_advantages(critic, ref, tok, settings, TASK, prompt, cands, 4096).tolist()
+        for c, adv, paper in zip(cands, released, got[False]):
+            traj = {"task": TASK, "dialogue_history": [{"role": "assistant", "content": c, "input": prompt, "output": c}]}
+            s, n = common.turn_logprobs(critic, common.tokenize_turns(tok, [(prompt, c)], train_critic.training_info(TASK)), 1)
+            r, _ = common.turn_logprobs(ref, common.tokenize_turns(tok, [(prompt, c)], ""), 1)
+            assert adv == pytest.approx(0.3 * (s - r).item() / n.item(), abs=1e-5)
+            assert adv == pytest.approx(train_critic.dialogue_advantages(critic, ref, tok, settings, traj, 4096).item(),
+                                        abs=1e-5)
+            rc, _ = common.turn_logprobs(ref, common.tokenize_turns(tok, [(prompt, c)], train_critic.training_info(TASK)), 1)
+            pmi = 0.3 * (rc - r).item() / n.item()  # pi_ref's pointwise mutual information of c and the turn, per token
+            assert adv - paper == pytest.approx(pmi, abs=1e-5) and abs(pmi) > 1e-5
 
 
 def test_prefix_reuse_scoring_equals_naive(tok_model):

@@ -7,6 +7,7 @@ import torch
 from PIL import Image
 from transformers import AutoModelForCausalLM
 
+import credit
 import models
 import render
 from conftest import run_script
@@ -31,7 +32,10 @@ def test_report_in_a_real_browser(tiny_model, tmp_path):
             p.add_(0.05 * torch.randn_like(p))
     critic.save_pretrained(tmp_path / "critic")
     tok.save_pretrained(tmp_path / "critic")
-    (tmp_path / "critic" / "run_settings.json").write_text(json.dumps({"model": tiny_model, "beta": 0.1}))
+    (tmp_path / "critic" / "run_settings.json").write_text(json.dumps({"model": tiny_model, "beta": 0.1, "lr": 1e-4,
+                                                                      "ranking": "released"}))
+    (tmp_path / "pairs.jsonl.run_settings.json").write_text(json.dumps({"critic": str(tmp_path / "critic")}))
+    credit.report(tmp_path / "pairs.jsonl")  # turn credit by kind, which the page shows for the form that ranked
     run_script("view.py", "--trajectories", f"sweet_rl={tmp_path / 'g.jsonl'}", "--states",
                tmp_path / "pairs.jsonl.states.jsonl", "--critic", tmp_path / "critic", "--output", tmp_path / "report.html")
     page = (tmp_path / "report.html").read_text()
@@ -50,6 +54,8 @@ def test_report_in_a_real_browser(tiny_model, tmp_path):
         assert len(colours) >= 2 and "rgb(255, 255, 255)" not in colours  # coloured by advantage, not all alike
         text = d.find_element("css selector", "body").text
         assert "Double it." in text and "chosen #1" in text and "rejected #1" in text and "good" in text
+        assert ("turn credit of sweet (ranking released, normalization turn, lr 0.0001): good question > bad answer "
+                "1.00 (1 pairs)") in text and "state-blind best order question > answer 1.00" in text
         d.find_element("css selector", "#succ").send_keys("success")  # the outcome filter hides the failure
         assert d.execute_script("return [...document.querySelectorAll('.dlg')].filter(x => x.style.display != 'none').length") == 1
     assert Image.open(shot).size[0] == 1280

@@ -248,11 +248,11 @@ def labelled_states(pairs):
 def critic_forms(pairs):
     """{critic name: its form, e.g. 'ranking paper, normalization turn, lr 0.0001'} from the run settings label_turns.py
     wrote beside PAIRS and each critic's own (train_critic.py's); {} where they are missing."""
-    found = sorted(Path(pairs).parent.glob(f"{Path(pairs).name}*.run_settings.json"))
-    labelling = [f for f in found if not f.name.endswith(".credit.run_settings.json")]
-    if not labelling:
+    found = [Path(f"{pairs}.run_settings.json"), *common.shard_files(pairs, ".run_settings.json")]
+    labelling = [json.loads(f.read_text()) for f in found if f.exists()]
+    if not labelling or "critic" not in labelling[0]:
         return {}
-    settings = json.loads(labelling[0].read_text())
+    settings = labelling[0]
     dirs = {"sweet": settings["critic"], **dict(kv.split("=", 1) for kv in settings.get("credit_critics", "").split(",")
                                                if "=" in kv)}
     forms = {}

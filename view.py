@@ -198,11 +198,12 @@ def main(args):
     if credit and credit.exists():  # credit.py's turn credit by kind of class pair, for the form that ranked
         report = json.loads(credit.read_text())
         for name, split in report.get("by_kind", {}).items():
-            summary += (f"; turn credit of {name}" + (f" ({report['forms'][name]})" if name in report.get("forms", {})
-                                                      else "") + ": "
-                        + ", ".join(f"{k} {a:.2f} ({n} pairs)" for k, (a, n) in split.items()))
+            form = f" ({report['forms'][name]})" if name in report.get("forms", {}) else ""
+            summary += html.escape(f"; turn credit of {name}{form}: "
+                                   + ", ".join(f"{k} {a:.2f} ({n} pairs)" for k, (a, n) in split.items()))
         if report.get("kind_order"):
-            summary += f"; state-blind best order {report['kind_order']['order']} {report['kind_order']['accuracy']:.2f}"
+            order = report["kind_order"]
+            summary += f"; state-blind best order {html.escape(order['order'])} {order['accuracy']:.2f}"
     summary += f"; turn colours: advantage from the critic {html.escape(args.critic)}" if args.critic else ""
     legend = "".join(f'<span style="background:{colour(x * scale, scale)}">{x * scale:+.3f}</span>'
                      for x in (-1, -0.5, 0, 0.5, 1))

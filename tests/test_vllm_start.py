@@ -49,13 +49,14 @@ def standin_vllm(cuda, engines):
             self.seed, self.temperature, self.top_p, self.max_tokens = seed, temperature, top_p, max_tokens
 
     class LLM:
-        def __init__(self, model, seed, max_model_len, gpu_memory_utilization, tensor_parallel_size):
+        def __init__(self, model, seed, max_model_len, gpu_memory_utilization, tensor_parallel_size, dtype):
             if cuda.calls:
                 raise RuntimeError(f"Cannot re-initialize CUDA in forked subprocess: the stage asked torch.cuda."
                                    f"{cuda.calls[0]}() before the engine started")
             assert os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn"
             assert not {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"} & set(os.environ), "a world of one process"
             assert 0 < gpu_memory_utilization < 1 and tensor_parallel_size == 1 and max_model_len > 0
+            assert dtype == "bfloat16"  # a GPU's: the stand-in's platform is not a CPU
             self.tok, self.model = models.load_tokenizer(model), AutoModelForCausalLM.from_pretrained(model).eval()
             engines.append(self)
 
@@ -76,13 +77,15 @@ def standin_vllm(cuda, engines):
                 outs.append(types.SimpleNamespace(outputs=[out]))
             return outs
 
-    return types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams)
+    platforms = types.SimpleNamespace(current_platform=types.SimpleNamespace(is_cpu=lambda: False))
+    return types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams, platforms=platforms)
 
 
 @pytest.fixture
 def vllm(monkeypatch):
     cuda, engines = CudaQueries(monkeypatch), []
     monkeypatch.setitem(sys.modules, "vllm", standin_vllm(cuda, engines))
+    monkeypatch.setitem(sys.modules, "vllm.platforms", sys.modules["vllm"].platforms)
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     return cuda, engines
 

@@ -1,10 +1,11 @@
 """The vllm backend's engine starts before anything asks torch about CUDA, in labelling and in rollouts.
 
 A CUDA query (even torch.cuda.is_available()) initialises the driver in the stage's process, and vLLM's engine
-process, forked from it, then fails with "Cannot re-initialize CUDA in forked subprocess". vLLM cannot run on
-this CPU, so a stand-in `vllm` module takes its place: it checks the contract a stage must keep when it builds
-`LLM(...)` (no CUDA query before, workers started by spawn, torchrun's variables hidden, token-id prompts, one
-seed per request) and samples real text from the model it is given with transformers.
+process, forked from it, then fails with "Cannot re-initialize CUDA in forked subprocess". That failure needs a
+GPU (the real engine on this CPU: tests/test_vllm.py), so a stand-in `vllm` module takes its place: it checks the
+contract a stage must keep when it builds `LLM(...)` (no CUDA query before, workers started by spawn, torchrun's
+variables hidden, token-id prompts, one seed per request) and samples real text from the model it is given with
+transformers.
 """
 import json
 import shutil

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import colbench
 import common
-import sandbox
+from colbench import sandbox
 
 
 class TrueClasses:
@@ -70,7 +70,7 @@ class TrueClasses:
     def page_features(self, html):
         """render.design_features of a page's render (one headless browser, started on first use; cached)."""
         if html not in self.features:
-            import render
+            from colbench import render
             self.pool = self.pool or render.RenderPool(1)
             self.features[html] = render.design_features(self.pool.render(html)[0])
         return self.features[html]

@@ -21,16 +21,12 @@ import json
 import os
 import sys
 from collections import Counter, defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm import tqdm
-
 import colbench
 import common
-import sandbox
-import render
+from colbench import grade, sandbox
 
 
 @dataclass
@@ -72,46 +68,6 @@ class Args:
     as `selected` and `selected_policy` in --summary (run.sh: checkpoint selection on validation tasks)"""
 
 
-def grade_html(rows, args):
-    """reward = similarity of the rendered final answer and the rendered target (its metric named). On
-    procedural pages with design facts also success = exact_design: the answer's render matches every
-    design fact (render.design_features, read from pixels)."""
-    sim = render.ImageSimilarity(args.clip_model)
-    tasks = {r["task_id"]: r["task"]["ground_truth"] for r in rows}
-    with render.RenderPool(args.render_workers) as pool, ThreadPoolExecutor(args.render_workers) as threads:
-        renders = threads.map(pool.render_kept, tasks.values())
-        targets = dict(zip(tasks, tqdm(renders, total=len(tasks), desc="target pages")))
-        renders = threads.map(pool.render, [r["answer"] or "" for r in rows])
-        answers = list(tqdm(renders, total=len(rows), desc="answer pages"))
-        failures = pool.failures
-    scores = sim([img for img, _ in answers], [targets[r["task_id"]][0] for r in rows])
-    for r, s, (img, ok) in zip(rows, scores, answers):
-        r.update(reward=float(s), metric=sim.metric, rendered=ok, target_rendered=targets[r["task_id"]][1])
-        design = colbench.design_of(r["task"]) if r["task"].get("hidden_information") else {}
-        if design:
-            features = render.design_features(img)
-            wrong = colbench.design_mismatches(design, features) if r["answer"] else list(design)
-            r["success"] = r["exact_design"] = not wrong
-    return rows, {"metric": sim.metric, "render_failures": failures}
-
-
-def win_rate(rows, reference_rows):
-    """Per task (mean over samples): this run's similarity beats the reference's; ties count half."""
-    mean = lambda rs: {t: sum(x) / len(x) for t, x in _by_task(rs).items()}
-    ours, ref = mean(rows), mean(reference_rows)
-    common_tasks = sorted(set(ours) & set(ref))
-    if not common_tasks:
-        raise common.DataError("--reference shares no task with --input")
-    return sum(1.0 if ours[t] > ref[t] else 0.5 if ours[t] == ref[t] else 0.0 for t in common_tasks) / len(common_tasks)
-
-
-def _by_task(rows):
-    out = defaultdict(list)
-    for r in rows:
-        out[r["task_id"]].append(r["reward"])
-    return out
-
-
 def load_trajectories(path, task_type="code"):
     """Trajectories in the released schema, all checked before any grading; task_id and sample
     derived when absent."""
@@ -126,28 +82,6 @@ def load_trajectories(path, task_type="code"):
             r["sample"] = counts[r["task_id"]]
         counts[r["task_id"]] += 1
         rows.append(r)
-    return rows
-
-
-def grade_all(rows, args):
-    """Adds reward/success/... to each row in place (answers of one task share one ground-truth run)."""
-    tasks = {r["task_id"]: r["task"] for r in rows}
-    workers = args.workers or 2 * (os.cpu_count() or 1)
-    calls = lambda t: list(t["test_cases"].items())
-    with ThreadPoolExecutor(workers) as pool:
-        run_gt = lambda t: sandbox.run_calls(t["ground_truth"], calls(t), args.timeout, args.released_semantics,
-                                             trusted=True)
-        gt = dict(zip(tasks, tqdm(pool.map(run_gt, tasks.values()), total=len(tasks), desc="ground truths")))
-        grade = lambda r: sandbox.grade_code(r["task"], r["answer"], args.timeout, args.released_semantics,
-                                             gt[r["task_id"]])
-        grades = list(tqdm(pool.map(grade, rows), total=len(rows), desc="answers"))
-    for r, g in zip(rows, grades):
-        r.update(reward=g["reward"], success=g["success"], tests_passed=g["passed"], tests_total=g["total"],
-                 timeouts=g["timeouts"], verdicts=g["verdicts"])
-    infra = sum(v == "infrastructure" for r in rows for v in r["verdicts"].values())
-    if infra:
-        print(f"WARNING: {infra} tests could not be judged (sandbox or ground-truth failure: 'infrastructure' "
-              f"verdicts)", file=sys.stderr)
     return rows
 
 
@@ -387,9 +321,10 @@ def main(args):
     if graded:
         rows, extra = graded
     elif args.task_type == "html":
-        rows, extra = grade_html(rows, args)
+        rows, extra = grade.grade_html_answers(rows, args.clip_model, args.render_workers)
     else:
-        rows, extra = grade_all(rows, args), {"released_semantics": args.released_semantics}
+        rows = grade.grade_code_answers(rows, args.timeout, args.released_semantics, args.workers)
+        extra = {"released_semantics": args.released_semantics}
     if args.output and not graded:
         common.write_jsonl(args.output, rows)
         common.save_run_settings(f"{args.output}.run_settings.json", args)
@@ -403,7 +338,7 @@ def main(args):
             if ref and ref[0].get("metric") != s["metric"]:
                 sys.exit(f"{args.reference} was scored with {ref[0].get('metric')}, this run with {s['metric']}: "
                          f"not comparable")
-            s["win_rate"] = win_rate(rows, [dict(r, task_id=r.get("task_id") or colbench.task_id(r["task"]))
+            s["win_rate"] = grade.win_rate(rows, [dict(r, task_id=r.get("task_id") or colbench.task_id(r["task"]))
                                             for r in ref])
     print_table(s, f"ColBench {'frontend' if args.task_type == 'html' else 'backend'}: {args.input}")
     if args.summary:

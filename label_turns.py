@@ -30,7 +30,7 @@ import torch
 
 import colbench
 import common
-import models
+from machinery import models
 from train_critic import candidate_advantages, load_critic
 
 

@@ -29,8 +29,8 @@ import torch
 
 import colbench
 import common
-import models
-import training
+from machinery import models
+from machinery import training
 
 
 @dataclass

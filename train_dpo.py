@@ -27,8 +27,8 @@ import torch
 
 import colbench
 import common
-import models
-import training
+from machinery import models
+from machinery import training
 
 
 @dataclass

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import colbench
 import common
-import models
+from machinery import models
 
 
 @dataclass
@@ -60,7 +60,7 @@ def colour(adv, scale):
 
 def renders(rows):
     """html tasks: {task_id: target data URL} and per row its answer's data URL."""
-    import render
+    from colbench import render
     with render.RenderPool(2) as pool:
         targets = {r["task_id"]: r["task"]["ground_truth"] for r in rows}
         pages = pool.render_many(list(targets.values()))

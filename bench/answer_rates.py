@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import colbench  # noqa: E402
 import common  # noqa: E402
-import models  # noqa: E402
+from machinery import models  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--policies", required=True, help="comma-separated HF checkpoints")

@@ -27,8 +27,8 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 import colbench  # noqa: E402
 import common  # noqa: E402
-import models  # noqa: E402
-import generate_tasks  # noqa: E402  (procedural tasks: realistic text for the synthetic pairs)
+from machinery import models  # noqa: E402
+import colbench.tasks  # noqa: E402  (procedural tasks: realistic text for the synthetic pairs)
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--model", default="embedded")
@@ -54,7 +54,7 @@ ntok = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])
 def synthetic_pairs(n, rng):
     """Dialogues of procedural tasks (request, questions, the human's facts) grown to the prompt length;
     chosen and rejected turns of 30-80 tokens."""
-    tasks = [generate_tasks.procedural_task(rng) for _ in range(n)]
+    tasks = [colbench.tasks.procedural_task(rng) for _ in range(n)]
     pairs = []
     for t in tasks:
         facts = [l for l in t["hidden_information"].splitlines() if l.strip()] or ["I don't know."]

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import colbench  # noqa: E402
-import sandbox  # noqa: E402
+from colbench import sandbox  # noqa: E402
 
 REFERENCE = '''
 def reference(gt_src, answer_src, tests):

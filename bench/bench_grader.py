@@ -15,9 +15,9 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import colbench  # noqa: E402
-import sandbox  # noqa: E402
+from colbench import grade, sandbox  # noqa: E402
 import evaluate  # noqa: E402
-import generate_tasks  # noqa: E402
+import colbench.tasks  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__)
 p.add_argument("--tasks", default="", help="task JSONL (default: --num_tasks procedural tasks)")
@@ -37,7 +37,7 @@ bare = (time.time() - t0) / a.programs
 print(f"sandbox: {1000 * per:.1f} ms per program, one at a time (a bare `python -S -c pass`: {1000 * bare:.1f} ms); "
       f"mode: {' '.join(sandbox._sandbox[0][:2]) or 'no isolation'}, per-worker uid: {sandbox._sandbox[1]}")
 tasks = colbench.load_tasks(a.tasks) if a.tasks else \
-    [generate_tasks.procedural_task(random.Random(i)) for i in range(a.num_tasks)]
+    [colbench.tasks.procedural_task(random.Random(i)) for i in range(a.num_tasks)]
 with tempfile.TemporaryDirectory() as d:
     path = os.path.join(d, "t.jsonl")
     with open(path, "w") as f:
@@ -45,7 +45,7 @@ with tempfile.TemporaryDirectory() as d:
             f.write(json.dumps({"task": t, "dialogue_history": [], "answer": t["ground_truth"]}) + "\n")
     args = evaluate.Args(input=path)
     t0 = time.time()
-    rows = evaluate.grade_all(evaluate.load_trajectories(path), args)
+    rows = grade.grade_code_answers(evaluate.load_trajectories(path), args.timeout)
     dt = time.time() - t0
 s = evaluate.summarize(rows)
 print(f"{len(rows)} tasks graded (ground truth as answer) in {dt:.1f} s on {os.cpu_count()} cores "

@@ -10,9 +10,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import render  # noqa: E402
+from colbench import render  # noqa: E402
 import colbench  # noqa: E402
-import generate_tasks  # noqa: E402
+import colbench.tasks  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__)
 p.add_argument("--tasks", default="")
@@ -20,7 +20,7 @@ p.add_argument("--num_pages", type=int, default=40)
 p.add_argument("--clip_model", default="")
 a = p.parse_args()
 pages = [t["ground_truth"] for t in colbench.load_tasks(a.tasks, "html")] if a.tasks else \
-    [generate_tasks.procedural_page(random.Random(i))["ground_truth"] for i in range(a.num_pages)]
+    [colbench.tasks.procedural_page(random.Random(i))["ground_truth"] for i in range(a.num_pages)]
 for workers in (1, 2):
     with render.RenderPool(workers) as pool:
         pool.render_many(pages[:workers])  # start the browsers outside the timing

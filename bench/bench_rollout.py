@@ -30,7 +30,7 @@ with tempfile.TemporaryDirectory() as d:
     subprocess.run([py, "generate_tasks.py", "--num_tasks", str(a.num_tasks), "--seed", "7", "--output", f"{d}/t.jsonl"],
                    cwd=ROOT, check=True, capture_output=True)
     sys.path.insert(0, ROOT)
-    import models
+    from machinery import models
     tok = models.load_tokenizer(a.model)
     rates, dialogues = {}, {}
     runs = [("hf", a.num_tasks, True), ("hf", a.num_tasks, False), ("hf", 1, False)]

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import colbench  # noqa: E402
-import models  # noqa: E402
+from machinery import models  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__)
 p.add_argument("--model", default="embedded")

@@ -96,7 +96,7 @@ def build(shape):
 
 def data(model_dir):
     """8 tasks: a question then a long answer (reward 1) against a long wrong answer (reward 0)."""
-    import models
+    from machinery import models
     from test_training import TASK, make_traj
     tok = models.load_tokenizer(str(model_dir))
     filler = "def f(x):\n    return x * 2\n" * max(1, a.tokens // 24)  # ~12 tokens a line with the tests' tokenizer
@@ -147,7 +147,7 @@ if rc == 0:
     check("critic", f"FSDP2 over 1 rank ({backend})" in text and share > 0.9,
           f"{fsdp_line(text)}; {len(log)} steps at 2e-7, {share:.3f} of the trained weights moved, {secs} s")
     if gpu:
-        import training
+        from machinery import training
         from transformers import AutoConfig
         held, acts = training.training_memory(AutoConfig.from_pretrained(big), 2 * longest, 1)
         peak = max(r["gpu_peak_gib"] for r in log)

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import colbench  # noqa: E402
 import common  # noqa: E402
 import credit  # noqa: E402
-import models  # noqa: E402
+from machinery import models  # noqa: E402
 from train_critic import load_critic, training_info, turn_advantage  # noqa: E402
 
 KINDS = ("good answer > bad question", "good question > bad answer", "good answer > bad answer",

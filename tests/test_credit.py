@@ -8,17 +8,17 @@ import types
 import pytest
 
 import colbench
+import colbench.oracle
+import colbench.tasks
 import common
-import sandbox
-import evaluate
-import generate_tasks
 import credit
-import rollout
+import evaluate
+from colbench import sandbox
 from conftest import run_script
 
 
 def task(family, seed=0):
-    t = generate_tasks.procedural_task(random.Random(seed), family)
+    t = colbench.tasks.procedural_task(random.Random(seed), family)
     t["task_id"] = colbench.task_id(t)
     return t
 
@@ -27,7 +27,7 @@ def test_turn_classes_follow_the_rules():
     t = task("fee")
     start = [{"role": "user", "content": t["problem_description"]}]
     facts = t["hidden_information"].splitlines()
-    question = rollout.oracle_question(facts[0])
+    question = colbench.oracle.oracle_question(facts[0])
     assert credit.turn_class(t, start, question) == "good"  # reveals a fact not yet known
     assert credit.turn_class(t, start, "Should the code print anything?") == "bad"  # reveals nothing
     after = start + [{"role": "assistant", "content": question},
@@ -35,7 +35,7 @@ def test_turn_classes_follow_the_rules():
     assert colbench.revealed_facts(t, after) == {facts[0]}  # one fact a reply
     assert credit.turn_class(t, after, question) == "bad"  # asking again reveals nothing new
     for f in facts[1:]:
-        q = rollout.oracle_question(f)
+        q = colbench.oracle.oracle_question(f)
         after += [{"role": "assistant", "content": q}, {"role": "user", "content": colbench.scripted_reply(t["hidden_information"], q)}]
     assert colbench.revealed_facts(t, after) == set(facts) and len(facts) == 2
     assert credit.turn_class(t, after, f"{colbench.ANSWER_MARKER}\n{t['ground_truth']}") == "good"
@@ -47,7 +47,7 @@ def test_turn_classes_follow_the_rules():
 
 
 def oracle(hasty, mistake, seed=0, max_turns=10):
-    return rollout.OracleAgent.__new__(rollout.OracleAgent), types.SimpleNamespace(
+    return colbench.oracle.OracleAgent.__new__(colbench.oracle.OracleAgent), types.SimpleNamespace(
         seed=seed, oracle_hasty=hasty, oracle_mistake=mistake, max_turns=max_turns)
 
 
@@ -68,7 +68,7 @@ def play(agent, t, sample):
 
 
 def test_hasty_oracle_mix_is_seeded_and_guesses_fail():
-    tasks = [task(f, s) for f in sorted(generate_tasks.FAMILIES) for s in range(5)]
+    tasks = [task(f, s) for f in sorted(colbench.tasks.FAMILIES) for s in range(5)]
     results = {}
     for hasty, mistake in ((0.0, 0.0), (1.0, 0.0), (0.5, 0.5)):
         agent, agent.args = oracle(hasty, mistake)
@@ -80,12 +80,12 @@ def test_hasty_oracle_mix_is_seeded_and_guesses_fail():
     assert len(early) == len(tasks) and not any(early)
     mixed = results[0.5, 0.5]
     assert 0.2 < sum(ok for _, ok in mixed) / len(mixed) < 0.9
-    detours = sum(m["content"] in rollout.DETOURS for d, _ in mixed for m in d)
+    detours = sum(m["content"] in colbench.oracle.DETOURS for d, _ in mixed for m in d)
     assert detours > 0
     # a wasted question asks again about a revealed fact (a repeat) or about nothing the facts cover
     repeats = [(t, d[:i], m["content"]) for (d, _), t in zip(mixed, tasks) for i, m in enumerate(d)
                if m["role"] == "assistant" and colbench.ANSWER_MARKER not in m["content"]
-               and m["content"] not in rollout.DETOURS and credit.turn_class(t, d[:i], m["content"]) == "bad"]
+               and m["content"] not in colbench.oracle.DETOURS and credit.turn_class(t, d[:i], m["content"]) == "bad"]
     assert repeats and all(colbench.revealed_facts(t, before) for t, before, _ in repeats)
     # a wasted question spends a hasty dialogue's budget: with every question wasted, no fact is learned
     agent, agent.args = oracle(1.0, 1.0)
@@ -242,19 +242,19 @@ def test_guessed_answers_do_not_depend_on_the_string_hash_seed():
     import subprocess
     import sys
     from conftest import ROOT
-    code = ("import random, generate_tasks, rollout\n"
-            "fam = sorted(generate_tasks.FAMILIES)\n"
+    code = ("import random, colbench.oracle, colbench.tasks\n"
+            "fam = sorted(colbench.tasks.FAMILIES)\n"
             "for f in fam:\n"
             "    for s in range(6):\n"
-            "        t = generate_tasks.procedural_task(random.Random(s), f)\n"
-            "        print(rollout.guess_answer(t, set(), random.Random(s)))\n")
+            "        t = colbench.tasks.procedural_task(random.Random(s), f)\n"
+            "        print(colbench.oracle.guess_answer(t, set(), random.Random(s)))\n")
     outs = {subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
                            env={**__import__("os").environ, "PYTHONHASHSEED": str(h)}).stdout for h in range(4)}
     assert len(outs) == 1 and "def " in outs.pop()
 
 
 def test_oracle_mistakes_waste_turns_and_slip_and_a_tight_budget_makes_waste_cost_the_outcome():
-    tasks = [task(f, s) for f in sorted(generate_tasks.FAMILIES) for s in range(6)]
+    tasks = [task(f, s) for f in sorted(colbench.tasks.FAMILIES) for s in range(6)]
     agent, agent.args = oracle(0.0, 0.35, max_turns=4)
     games = [(t, *play(agent, t, k)) for t in tasks for k in range(3)]
     facts = lambda t: set(colbench.hidden_facts(t))
@@ -268,7 +268,7 @@ def test_oracle_mistakes_waste_turns_and_slip_and_a_tight_budget_makes_waste_cos
         answer = colbench.extract_answer(d[-1]["content"])
         assert answer != t["ground_truth"].strip()
         kept = [f for f in facts(t) if all(re.search(rf"\b{c}\b", answer) if c.isdigit() else c[1:-1] in answer
-                                           for c in rollout.CONSTANT.findall(f))]
+                                           for c in colbench.oracle.CONSTANT.findall(f))]
         assert len(kept) == 1, (t["hidden_information"], answer)
     # successes that hold a wasted turn, and failures whose wasted turns spent the budget before every fact was heard
     assert any(ok and wasted(t, d) for t, d, ok in games)

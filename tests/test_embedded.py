@@ -1,7 +1,7 @@
 """Integration: the real embedded model (SmolLM2-135M-Instruct, fetched from PyPI once) runs a dialogue."""
 from conftest import read_jsonl, run_script
 
-import models
+from machinery import models
 
 
 def test_embedded_model_runs_one_dialogue(task_files, simulator_url, tmp_path):

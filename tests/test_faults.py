@@ -13,7 +13,7 @@ import pytest
 from conftest import ROOT, read_jsonl, run_script, saved_step
 from test_training import write_graded
 
-import models
+from machinery import models
 
 
 def free_port():

@@ -6,12 +6,12 @@ import random
 import pytest
 
 import colbench
+import colbench.human
 import common
 import credit
-import render
+from colbench import grade, render
 import evaluate
-import generate_tasks
-import simulator
+import colbench.tasks
 from conftest import read_jsonl, run_script
 
 PAGE = """<html><link href="https://cdn.jsdelivr.net/npm/tailwindcss@2.2.19/dist/tailwind.min.css" rel="stylesheet">
@@ -116,9 +116,9 @@ def test_html_extraction_follows_released_rules():
 
 
 def test_procedural_pages_are_deterministic_and_import_websight(tmp_path):
-    a = [generate_tasks.procedural_page(random.Random(5)) for _ in range(2)]
+    a = [colbench.tasks.procedural_page(random.Random(5)) for _ in range(2)]
     assert a[0] == a[1] and "tailwindcss@2.2.19" in a[0]["ground_truth"]
-    for t in [generate_tasks.procedural_page(random.Random(s)) for s in range(30)]:  # 2-3 of the 5 facts hidden
+    for t in [colbench.tasks.procedural_page(random.Random(s)) for s in range(30)]:  # 2-3 of the 5 facts hidden
         hidden = t["hidden_information"].splitlines()
         assert 2 <= len(hidden) <= 3 and len(colbench.design_of(t)) == 5
         assert not any(f in t["problem_description"] for f in hidden)
@@ -164,7 +164,7 @@ def test_html_rollout_and_evaluation_end_to_end(tiny_model, simulator_url, tmp_p
                        "--summary", tmp_path / "rs.json", "--reference", tmp_path / "og.jsonl")  # a resumed run: no rendering
     assert "reusing" in again.stdout and "answer pages" not in again.stderr
     assert json.loads((tmp_path / "rs.json").read_text()) == tiny
-    assert evaluate.win_rate([{"task_id": "a", "reward": 0.5}], [{"task_id": "a", "reward": 0.5}]) == 0.5
+    assert grade.win_rate([{"task_id": "a", "reward": 0.5}], [{"task_id": "a", "reward": 0.5}]) == 0.5
 
 
 def test_design_facts_are_read_from_pixels(renderer):
@@ -194,7 +194,7 @@ def test_html_human_reveals_one_fact_at_a_time(renderer):
             "The header is green.\nThe title is aligned to the right.",
             "ground_truth": "<html>" + colbench.design_page(
                 {"background": "dark", "header": "green", "boxes": "3", "footer": "gray", "title": "right"}, "Gym") + "</html>"}
-    human = simulator.ScriptedBackend()
+    human = colbench.human.ScriptedHuman()
     target = renderer.render(task["ground_truth"])[0]
     ask = lambda text, img=None: human.chat(colbench.human_messages(task, [{"role": "user", "content": "x"},
                                                                            {"role": "assistant", "content": text}],

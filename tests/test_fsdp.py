@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import models
+from machinery import models
 from conftest import ROOT, build_tiny_model, read_jsonl, saved_step
 from test_training import write_graded
 
@@ -139,7 +139,7 @@ def test_two_processes_killed_and_resumed_match_one_uninterrupted(tiny_model, tm
 MATERIALISE = """
 import sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[2])
-import models, training
+from machinery import models, training
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 read, load = [], models.load_model
 models.load_model = lambda *a, **k: read.append(k.get("empty", False)) or load(*a, **k)
@@ -174,7 +174,8 @@ def test_ranks_build_the_model_empty_and_get_their_shards_from_rank_0(tmp_path):
 COLLECTIVES = """
 import inspect, json, pathlib, sys, torch.distributed as dist
 sys.path.insert(0, sys.argv[2])
-import common, train_dpo, training
+import common, train_dpo
+from machinery import training
 ours = {str(pathlib.Path(m.__file__).resolve()) for m in (common, train_dpo, training)}
 calls = []
 for name in ("all_reduce", "all_gather_object", "broadcast", "barrier", "all_gather"):
@@ -216,7 +217,8 @@ def test_a_step_under_torchrun_makes_two_collectives_and_no_forward_messages(tin
 ACCUMULATION = """
 import os, sys, torch
 sys.path.insert(0, sys.argv[2])
-import common, training
+import common
+from machinery import training
 rank, world, device = training.init_distributed()
 model = training.training_model(sys.argv[1], world, device, torch.float32)
 opt = training.make_optimizer(model, 1e-4, "constant")

@@ -1,7 +1,7 @@
 """The grader's scoring rules (hostile answers: tests/test_sandbox.py)."""
 import pytest
 
-import sandbox
+from colbench import sandbox
 
 TASK = {"ground_truth": "def f(x):\n    return x * 2\n", "test_cases": {"t1": "f(1)", "t2": "f(2)", "t3": "f('a')"}}
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import models
+from machinery import models
 from conftest import build_tiny_model, read_jsonl
 from test_fsdp import launch
 from test_training import write_graded

@@ -8,7 +8,8 @@ import threading
 import pytest
 
 import colbench
-import models
+import colbench.human
+from machinery import models
 import simulator
 from conftest import ROOT, read_jsonl, run_script
 
@@ -46,8 +47,8 @@ def test_released_message_format_and_its_inverse(tmp_path):
     assert agent[0] == {"role": "system", "content": AGENT}  # verbatim, as released
     assert agent[1:] == dialogue
     # the scripted human answers from the template's hidden information
-    assert simulator.ScriptedBackend(prompts["human"]).chat(msgs) == "Negative inputs give 0."
-    assert simulator.ScriptedBackend().chat(msgs) == "I don't know, sorry."  # without the template it cannot
+    assert colbench.human.ScriptedHuman(prompts["human"]).chat(msgs) == "Negative inputs give 0."
+    assert colbench.human.ScriptedHuman().chat(msgs) == "I don't know, sorry."  # without the template it cannot
 
 
 def test_rollout_with_released_names_end_to_end(task_files, tiny_model, tmp_path):

@@ -7,7 +7,7 @@ import pytest
 
 import colbench
 import common
-import models
+from machinery import models
 from conftest import ROOT, read_jsonl, run_script
 
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-import sandbox
+from colbench import sandbox
 
 TIMEOUT = 2.0
 DOUBLE = {"ground_truth": "def f(x):\n    return x * 2\n", "test_cases": {"t1": "f(1)", "t2": "f(2)", "t3": "f(3)"}}
@@ -180,7 +180,7 @@ def test_killed_stage_cgroups_are_removed(tmp_path):
         sleeper = subprocess.Popen(["sleep", "60"])
         with open(f"{held}/0/cgroup.procs", "w") as f:
             f.write(str(sleeper.pid))
-        code = "import sandbox; print(sandbox.run_calls('def f():\\n    return 1', [('t', 'f()')])['t'][0])"
+        code = "from colbench import sandbox; print(sandbox.run_calls('def f():\\n    return 1', [('t', 'f()')])['t'][0])"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                              cwd=os.path.dirname(sandbox.__file__))
         assert out.stdout.strip() == "ok", out.stderr

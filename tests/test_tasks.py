@@ -6,8 +6,8 @@ import pytest
 
 import colbench
 import common
-import sandbox
-import generate_tasks
+from colbench import sandbox
+import colbench.tasks
 from conftest import read_jsonl, run_script
 
 # A plausible answer per family written WITHOUT the hidden facts (the obvious defaults a model guesses).
@@ -56,7 +56,7 @@ def test_every_family_needs_its_hidden_facts():
     for family, naive in NAIVE.items():
         fails = 0
         for _ in range(6):
-            t = generate_tasks.procedural_task(rng, family)
+            t = colbench.tasks.procedural_task(rng, family)
             sig = t["problem_description"].split("def ")[-1]
             fn, args = sig.split("(")[0], [a.strip() for a in sig.split("(")[1].rstrip(")").split(",")]
             gt = sandbox.run_calls(t["ground_truth"], list(t["test_cases"].items()))
@@ -66,7 +66,7 @@ def test_every_family_needs_its_hidden_facts():
 
 
 def test_file_source_reports_bad_lines(tmp_path):
-    good = generate_tasks.procedural_task(random.Random(1))
+    good = colbench.tasks.procedural_task(random.Random(1))
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(good) + "\n" + "{not json\n")
     with pytest.raises(common.DataError, match=r"bad.jsonl:2: not valid JSON"):
@@ -82,7 +82,7 @@ def test_file_source_reports_bad_lines(tmp_path):
 
 def test_file_source_reads_jsonl_and_datasets_dirs(tmp_path):
     import datasets
-    tasks = [generate_tasks.procedural_task(random.Random(i)) for i in range(5)]
+    tasks = [colbench.tasks.procedural_task(random.Random(i)) for i in range(5)]
     for t in tasks:
         t.pop("family")
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))

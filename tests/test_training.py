@@ -9,11 +9,11 @@ from transformers import AutoModelForCausalLM
 
 import colbench
 import common
-import models
+from machinery import models
 import label_turns
 import train_critic
 import train_dpo
-import training
+from machinery import training
 from conftest import read_jsonl, run_script
 
 

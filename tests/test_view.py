@@ -8,8 +8,8 @@ from PIL import Image
 from transformers import AutoModelForCausalLM
 
 import credit
-import models
-import render
+from machinery import models
+from colbench import render
 from conftest import run_script
 from test_training import TASK, make_traj
 

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed: `SWEETRL_VLLM=cpu bash setup.sh` (README, Tests)")
 
 import label_turns  # noqa: E402
-import models  # noqa: E402
+from machinery import models  # noqa: E402
 from conftest import build_tiny_model, read_jsonl, run_script  # noqa: E402
 from test_training import write_graded  # noqa: E402
 from test_vllm_start import CudaQueries  # noqa: E402

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import label_turns
-import models
+from machinery import models
 import rollout
 from test_training import write_graded
 

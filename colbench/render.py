@@ -2,7 +2,7 @@
 from a local copy, picsum images replaced by same-size placeholders), HTML extraction as released,
 and CLIP similarity (or the named non-CLIP fallback `pixel_hist_v1`).
 
-    import render
+    from colbench import render
     with render.RenderPool(2) as pool: img, ok = pool.render(html)    # pool.render_kept(html): kept on disk
     render.ImageSimilarity(clip_model)(answer_images, target_images)
 """

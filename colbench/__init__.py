@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from common import DataError, read_jsonl
-from render import extract_html, image_to_data_url  # frontend helpers used by the prompts
+from colbench.render import extract_html, image_to_data_url  # frontend helpers used by the prompts
 
 ANSWER_MARKER = "I WANT TO ANSWER:"
 HUMAN_MAX_CHARS = {"code": 400, "html": 1000}  # the paper's ColBench rules: the human's reply is cut to this length

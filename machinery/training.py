@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import common
-import models
+from machinery import models
 
 
 def init_distributed():

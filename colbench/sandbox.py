@@ -1,7 +1,7 @@
 """The sandboxed unit-test grader (backend programming): every untrusted program, model answers and
 ground truths alike, runs in a child process, never in a stage's own process.
 
-    import sandbox
+    from colbench import sandbox
     sandbox.grade_code(task, answer)           # {'reward', 'success', 'passed', 'total', 'verdicts', ...}
     sandbox.run_calls(code, [(name, "f(1)")])  # per-call verdicts and decoded results
 

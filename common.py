@@ -202,10 +202,11 @@ def parse_args(cls, doc=None, argv=None):
     import dataclasses
     import inspect
     helps = {}
-    body = ast.parse(inspect.getsource(cls)).body[0].body
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            helps[node.target.id] = nxt.value.value
+    for klass in reversed([c for c in cls.__mro__ if dataclasses.is_dataclass(c)]):  # a stage's Args may extend one
+        body = ast.parse(inspect.getsource(klass)).body[0].body
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                helps[node.target.id] = nxt.value.value
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(cls):
         required = f.default is dataclasses.MISSING

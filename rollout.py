@@ -163,10 +163,13 @@ def main(args):
         return
     human = common.ChatClient(args.simulator_url, args.simulator_model or None, workers=args.human_workers,
                               timeout=args.simulator_timeout, retry_time=args.simulator_retry_s)
-    agent = oracle.OracleAgent(models.load_tokenizer(args.agent_model), args) if args.agent_backend == "oracle" else models.make_sampler(
-        args.agent_backend, args.agent_model, args.temperature, args.top_p, args.max_new_tokens, args.seed + shard,
-        args.agent_url, args.batch_size, args.gpu_memory_utilization, reuse_cache=args.reuse_cache,
-        max_model_len=args.max_prompt_tokens + args.max_new_tokens)
+    if args.agent_backend == "oracle":
+        agent = oracle.OracleAgent(models.load_tokenizer(args.agent_model), args)
+    else:
+        agent = models.make_sampler(args.agent_backend, args.agent_model, args.temperature, args.top_p,
+                                    args.max_new_tokens, args.seed + shard, args.agent_url, args.batch_size,
+                                    args.gpu_memory_utilization, reuse_cache=args.reuse_cache,
+                                    max_model_len=args.max_prompt_tokens + args.max_new_tokens)
     max_chars = colbench.HUMAN_MAX_CHARS[args.task_type]
     pool = render.RenderPool(args.render_workers) if args.task_type == "html" else None
     targets = {}  # html: task_id -> the target page's render, once per task

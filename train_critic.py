@@ -29,28 +29,17 @@ import torch
 
 import colbench
 import common
-from machinery import models
-from machinery import training
+from machinery import models, training
 
 
-@dataclass
-class Args:
+@dataclass(kw_only=True)
+class Args(training.TrainerArgs):
     trajectories: str
     """graded trajectories JSONL (evaluate.py output)"""
     output_dir: str
     """where to save the critic (HF checkpoint)"""
-    model: str = "embedded"
-    """the critic's starting point and pi_ref: the policy (HF path or id)"""
-    task_type: str = "code"
-    """code | html (decides how pairs are built)"""
-    beta: float = 0.1
-    """scale of the log-ratio advantage"""
-    lr: float = 2e-7
-    """AdamW learning rate (released: 2e-7 for 8B)"""
     epochs: int = 4
     """passes over the pairs (released: 4)"""
-    batch_size: int = 8
-    """pairs per optimizer step, over all ranks"""
     max_len: int = 8192
     """longest token sequence; a longer one keeps c whole and the last tokens of the dialogue"""
     normalization: str = "turn"
@@ -68,27 +57,6 @@ class Args:
     at the end, which scores them all); its time is logged apart (heldout_seconds), outside tokens_per_s"""
     train_metrics: bool = False
     """at the end, also score every train pair (a forward pass over all of them) into final_metrics.json"""
-    train_layers: int = 0
-    """train only the top N decoder layers (+ final norm; 0 = all): a cheaper backward on CPU"""
-    dtype: str = "auto"
-    """compute dtype: auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float32. The weights the optimizer
-    updates stay fp32 (mixed precision): a bf16 weight would round a 2e-7 step away"""
-    save_dtype: str = "float32"
-    """float32 (the trained weights as they are) | bfloat16 (half the size, for serving: a weight whose
-    whole update is below half a bf16 step rounds back to its starting value)"""
-    grad_ckpt: bool = False
-    """activation checkpointing always; without it, on a GPU only where the longest pair would not fit
-    (training.recompute)"""
-    save_minutes: float = 30.0
-    """save the training state (model + optimizer) to OUTPUT_DIR/resume when this many minutes have passed since
-    the last save (0: after every step; inf: never), written in the background while training goes on"""
-    resume: bool = False
-    """continue from OUTPUT_DIR/resume (same --batch_size, --seed, --epochs) instead of starting over"""
-    schedule: str = "released"
-    """released: the release's optimizer (warm-up over 3% of the steps, cosine to 0.1x, AdamW betas 0.9 / 0.95) |
-    constant: a constant rate, AdamW's default betas (the embedded CPU run)"""
-    seed: int = 0
-    """data order and held-out split"""
 
 
 HELDOUT_SAMPLE = 32  # held-out pairs scored every --eval_every steps: at batch 8, ~7% of the training's forwards
@@ -173,10 +141,7 @@ def main(args):
                   args.task_type not in ("code", "html") and f"--task_type {args.task_type}: choose code or html",
                   args.beta <= 0 and "--beta must be positive", *training.argument_problems(args),
                   not 0 <= args.heldout_fraction < 1 and "--heldout_fraction must be in [0, 1)")
-    common.check_writable(args.output_dir.rstrip("/") + "/")
-    rank, world, device = training.init_distributed()
-    torch.manual_seed(args.seed)
-    tok = models.load_tokenizer(args.model)
+    rank, world, device, tok = training.setup(args)
     pairs = colbench.trajectory_pairs(colbench.load_graded(args.trajectories), args.task_type)
     if not pairs:
         sys.exit(f"{args.trajectories}: no trajectory pairs (need tasks whose best sample succeeds and another "
@@ -201,17 +166,11 @@ def main(args):
               flush=True)
 
     longest = max(training.padded_tokens(*(t["seqs"] for t in pair)) for pair in pairs)
-    ckpt = training.recompute(args.model, args.grad_ckpt, longest, world, device, args.train_layers)
-    critic = training.training_model(args.model, world, device, models.compute_dtype(args.dtype, device), ckpt,
-                                     args.train_layers)
-
-    # pi_ref = the starting critic weights: its per-turn log-probs once, before any update, kept in
-    # OUTPUT_DIR/ref_logprobs by content: a resumed or rerun stage reads them instead of computing them again
-    ref_fn = lambda m, t: common.turn_logprobs(m, t["seqs"], len(t["turns"]))[0].tolist()
-    scored_by = [models.resolve_model(args.model), str(models.compute_dtype(args.dtype, device))]
-    cache = (Path(args.output_dir) / "ref_logprobs", lambda t: training.content_key(scored_by, t["seqs"]))
-    for t, ref_sum in zip(trajs, training.precompute(critic, trajs, ref_fn, rank, world,
-                                                   lambda t: training.seq_forwards(t["seqs"]), cache=cache)):
+    critic, _ = training.trainer_model(args, longest, world, device)
+    ref_fn = lambda m, t: common.turn_logprobs(m, t["seqs"], len(t["turns"]))[0].tolist()  # pi_ref's per-turn sums
+    forwards = lambda t: training.seq_forwards(t["seqs"])
+    for t, ref_sum in zip(trajs, training.reference_logprobs(critic, trajs, ref_fn, forwards, args, device,
+                                                             lambda t: t["seqs"])):
         t["ref_sum"] = ref_sum
 
     def scores(m, pair):
@@ -225,7 +184,7 @@ def main(args):
         """The loss of one pair (chosen, rejected), and its metrics."""
         s_c, s_r = scores(m, pair)
         loss, diff = critic_loss(s_c, s_r), (s_c - s_r).detach()
-        return loss, {"n": 1, "loss": loss.detach(), "acc": (diff > 0).float(), "margin": diff,
+        return loss, {"loss": loss.detach(), "acc": (diff > 0).float(), "margin": diff,
                       "tokens": sum(len(s[0]) for t in pair for s in t["seqs"])}  # tensors: no host sync
 
     def pair_forwards(pair):
@@ -245,41 +204,21 @@ def main(args):
         return {f"{name}_loss": critic_loss(margins, 0).mean().item(),
                 f"{name}_acc": (margins > 0).float().mean().item(), f"{name}_margin": margins.mean().item()}
 
-    # ------------------------------------ the training loop ---------------------------------------
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    critic.train()
-    opt = training.make_optimizer(critic, args.lr, args.schedule)
-    order = {"batch_size": args.batch_size, "seed": args.seed, "epochs": args.epochs}  # what the data order depends on
-    start = training.load_training_state(critic, opt, out / "resume", order) if args.resume else 0
-    log = training.TrainingLog(out, start, rank)
-    saves = training.Checkpointer(out / "resume", args.save_minutes, order, rank)
-    batches = training.batch_order(len(train_pairs), args.batch_size, args.epochs, args.seed)
-    for step, (epoch, batch) in enumerate(batches, 1):
-        if step <= start:
-            continue  # done before the restart
-        t0, sums = time.time(), dict.fromkeys(("n", "loss", "acc", "margin", "tokens"), 0)
-        for pair in training.micro_batches(critic, [train_pairs[i] for i in batch], pair_forwards):  # this rank's
-            loss, metrics = pair_loss(critic, pair)
-            training.backward(critic, loss / len(batch))  # the step's gradient: the mean over the global batch
-            for k, v in metrics.items():
-                sums[k] += v
-        lr = args.lr * training.lr_factor(step, len(batches), args.schedule)
-        grad_norm = training.optimizer_step(critic, opt, lr)
-        sums, seconds = training.step_sums(sums, grad_norm), time.time() - t0
-        held = {}
-        if args.eval_every and step % args.eval_every == 0 and held_pairs:
-            t1 = time.time()
-            held = {**pair_metrics("heldout", held_sample), "heldout_seconds": time.time() - t1}
-        log.write(training.step_line(step, epoch, sums, seconds, {"lr": lr, **held}))
-        saves.after_step(critic, opt, step, step == len(batches))
-    saves.finish()
+    def heldout(step):  # every --eval_every steps: a fixed sample of the held-out pairs
+        if not (args.eval_every and step % args.eval_every == 0 and held_pairs):
+            return {}
+        t1 = time.time()
+        return {**pair_metrics("heldout", held_sample), "heldout_seconds": time.time() - t1}
 
+    order = {"batch_size": args.batch_size, "seed": args.seed, "epochs": args.epochs}  # what the data order depends on
+    log, _ = training.train(critic, args, train_pairs, pair_loss, pair_forwards, ["loss", "acc", "margin", "tokens"],
+                            order, extra=heldout)
     final = {**(pair_metrics("train", train_pairs) if args.train_metrics else {}),
              **pair_metrics("heldout", held_pairs)}
     if rank == 0:
         print("final " + " ".join(f"{k}={v:.4g}" for k, v in final.items()), flush=True)
-        common.write_text(out / "final_metrics.json", json.dumps({"steps": len(log.history), **final}, indent=2))
+        common.write_text(Path(args.output_dir) / "final_metrics.json",
+                          json.dumps({"steps": len(log.history), **final}, indent=2))
     training.save_checkpoint(critic, tok, args.output_dir, rank, args, getattr(torch, args.save_dtype))
     if rank == 0:
         print(f"saved {args.output_dir}")

@@ -18,7 +18,6 @@ TRL's names: rewards/chosen, rewards/rejected, rewards/margins, rewards/accuraci
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,63 +26,31 @@ import torch
 
 import colbench
 import common
-from machinery import models
 from machinery import training
 
 
-@dataclass
-class Args:
+@dataclass(kw_only=True)
+class Args(training.TrainerArgs):
     output_dir: str
     """where to save the trained policy (HF checkpoint)"""
+    mode: str = "turn"
+    """turn (SWEET-RL) | trajectory (multi-turn DPO baseline) | sft (rejection fine-tuning)"""
     pairs: str = ""
     """turn mode: PAIRS JSONL from label_turns.py"""
     trajectories: str = ""
     """trajectory/sft modes: graded trajectories JSONL"""
-    task_type: str = "code"
-    """code | html (decides how trajectory pairs are built)"""
-    mode: str = "turn"
-    """turn (SWEET-RL) | trajectory (multi-turn DPO baseline) | sft (rejection fine-tuning)"""
-    model: str = "embedded"
-    """starting policy = pi_ref (HF path or id; 'embedded' = SmolLM2-135M-Instruct)"""
-    beta: float = 0.1
-    """DPO temperature"""
     nll_coef: float = 0.01
     """weight of the NLL of the chosen turn (lambda)"""
-    lr: float = 2e-7
-    """AdamW learning rate (paper: 2e-7 for 8B)"""
     epochs: float = 1
     """passes over the data; a fraction ends the last pass early"""
     steps: int = 0
     """optimizer steps instead of --epochs (0: --epochs decides); past a pass the data repeats, reshuffled. run.sh
     gives every method the same steps: an equal budget"""
-    batch_size: int = 8
-    """pairs (or trajectories) per optimizer step, over all ranks"""
     max_len: int = 16384
     """longest token sequence; longer ones keep their last max_len tokens"""
-    train_layers: int = 0
-    """train only the top N decoder layers (+ final norm; 0 = all): a cheaper backward on CPU"""
-    dtype: str = "auto"
-    """compute dtype: auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float32. The weights the optimizer
-    updates stay fp32 (mixed precision): a bf16 weight would round a 2e-7 step away"""
-    save_dtype: str = "float32"
-    """float32 (the trained weights as they are) | bfloat16 (half the size, for serving: a weight whose
-    whole update is below half a bf16 step rounds back to its starting value)"""
-    grad_ckpt: bool = False
-    """activation checkpointing always (less memory, ~30% slower); without it, on a GPU only where the longest pair
-    would not fit (training.recompute)"""
-    save_minutes: float = 30.0
-    """save the training state (model + optimizer) to OUTPUT_DIR/resume when this many minutes have passed since
-    the last save (0: after every step; inf: never), written in the background while training goes on"""
-    resume: bool = False
-    """continue from OUTPUT_DIR/resume (same --batch_size, --seed, --epochs, --steps) instead of starting over"""
     sft_on: str = "success"
     """sft mode: success (rejection fine-tuning: successful dialogues only) | all (every dialogue: the embedded
     warm-up)"""
-    schedule: str = "released"
-    """released: the release's optimizer (warm-up over 3% of the steps, cosine to 0.1x, AdamW betas 0.9 / 0.95) |
-    constant: a constant rate, AdamW's default betas (the embedded CPU run)"""
-    seed: int = 0
-    """data order"""
     snapshots: int = 0
     """also save the policy at N evenly spaced steps before the last, to OUTPUT_DIR/step-K (run.sh rolls each
     out on validation tasks and keeps the best, the starting policy included: docs/curriculum.md)"""
@@ -100,18 +67,19 @@ def dpo_loss(logp_c, logp_r, ref_c, ref_r, beta):
     return common.bradley_terry(rewards_c, rewards_r), rewards_c.detach(), rewards_r.detach()  # L_DPO
 
 
+def nll(logp, n):
+    """The per-token mean NLL of a side's agent tokens: lambda's term, and the whole loss of rejection fine-tuning
+    and of the embedded warm-up (--mode sft)."""
+    return -logp / n.clamp(min=1)
+
+
 def policy_loss(logp_c, logp_r, ref_c, ref_r, n_c, beta, nll_coef):
     """L_policy = L_DPO + lambda * NLL(a+) for one pair (turn-level, or multi-turn: every turn's tokens summed).
     L_DPO compares log-probs summed over each side's tokens; the NLL is a per-token mean of the chosen side, so
     lambda weighs it alike whatever the turn's length. Returns (loss, reward of chosen, of rejected, nll)."""
     l_dpo, r_c, r_r = dpo_loss(logp_c, logp_r, ref_c, ref_r, beta)
-    nll = -logp_c / n_c.clamp(min=1)
-    return l_dpo + nll_coef * nll, r_c, r_r, nll.detach()
-
-
-def sft_loss(logp, n):
-    """Rejection fine-tuning and the embedded warm-up: the per-token mean NLL of a dialogue's agent turns."""
-    return -logp / n.clamp(min=1)
+    nll_c = nll(logp_c, n_c)
+    return l_dpo + nll_coef * nll_c, r_c, r_r, nll_c.detach()
 # ===============================================================================================
 
 
@@ -158,10 +126,7 @@ def main(args):
                   args.beta <= 0 and "--beta must be positive", args.nll_coef < 0 and "--nll_coef must be >= 0",
                   args.steps < 0 and "--steps must be >= 0",
                   *training.argument_problems(args))
-    common.check_writable(args.output_dir.rstrip("/") + "/")
-    rank, world, device = training.init_distributed()
-    torch.manual_seed(args.seed)
-    tok = models.load_tokenizer(args.model)
+    rank, world, device, tok = training.setup(args)
     examples = build_examples(args)
     if not examples:
         sys.exit(f"no training examples for --mode {args.mode} (no pairs / no successful trajectories)")
@@ -174,13 +139,11 @@ def main(args):
     common.extra_rows([ex[side] for ex in examples for side in ("chosen_seqs", "rejected_seqs") if side in ex], rank)
     longest = max(training.padded_tokens(*(ex[side + "_seqs"] for side in ("chosen", "rejected") if side in ex))
                   for ex in examples)
-    ckpt = training.recompute(args.model, args.grad_ckpt, longest, world, device, args.train_layers)
+    model, ckpt = training.trainer_model(args, longest, world, device)
     if args.mode == "turn" and not ckpt:  # the fast path needs a KV cache, so no checkpointing:
         for ex in examples:  # (prompt ids, [chosen ids, rejected ids]), the prompt run once per pair
             turns = [ex["chosen"][0][1], ex["rejected"][0][1]]
             ex["shared"] = common.encode_shared(tok, "", ex["prompt"], turns, args.max_len)
-    model = training.training_model(args.model, world, device, models.compute_dtype(args.dtype, device), ckpt,
-                                    args.train_layers)
 
     def summed_logp(m, seqs, n_turns):
         total, count = common.turn_logprobs(m, seqs, n_turns)
@@ -202,63 +165,41 @@ def main(args):
             m, [(ex[side + "_seqs"], len(ex[side])) for side in ("chosen", "rejected")]))  # one forward for the pair
         return logp_c, logp_r, n_c, sum(len(s[0]) for s in ex["chosen_seqs"] + ex["rejected_seqs"])
 
-    if args.mode != "sft":  # pi_ref log-probs once, with the starting weights, kept in OUTPUT_DIR/ref_logprobs
-        ref_fn = lambda m, ex: [x.item() for x in pair_logps(m, ex)[:2]]  # by content: a rerun reads them
-        scored_by = [models.resolve_model(args.model), str(models.compute_dtype(args.dtype, device))]
-        key = lambda ex: training.content_key(scored_by, ex.get("shared") or [ex["chosen_seqs"], ex["rejected_seqs"]])
-        for ex, (c, r) in zip(examples, training.precompute(model, examples, ref_fn, rank, world, forwards,
-                                                          cache=(Path(args.output_dir) / "ref_logprobs", key))):
+    if args.mode != "sft":  # pi_ref's log-probs of both sides
+        ref_fn = lambda m, ex: [x.item() for x in pair_logps(m, ex)[:2]]
+        content = lambda ex: ex.get("shared") or [ex["chosen_seqs"], ex["rejected_seqs"]]
+        for ex, (c, r) in zip(examples, training.reference_logprobs(model, examples, ref_fn, forwards, args, device,
+                                                                    content)):
             ex["ref_chosen"], ex["ref_rejected"] = c, r
 
     def sft_example_loss(m, ex):
         """The loss of one dialogue (sft mode), and its metrics."""
-        nll = sft_loss(*summed_logp(m, ex["chosen_seqs"], len(ex["chosen"])))
-        return nll, {"loss": nll.detach(), "nll": nll.detach(), "tokens": sum(len(s[0]) for s in ex["chosen_seqs"])}
+        loss = nll(*summed_logp(m, ex["chosen_seqs"], len(ex["chosen"])))
+        return loss, {"loss": loss.detach(), "nll": loss.detach(), "tokens": sum(len(s[0]) for s in ex["chosen_seqs"])}
 
     def dpo_pair_loss(m, ex):
         """The loss of one pair (turn or trajectory), and its metrics with TRL's names."""
         logp_c, logp_r, n_c, tokens = pair_logps(m, ex)
         ref_c, ref_r = (torch.tensor(ex[k], device=device) for k in ("ref_chosen", "ref_rejected"))
-        loss, r_c, r_r, nll = policy_loss(logp_c, logp_r, ref_c, ref_r, n_c, args.beta, args.nll_coef)
+        loss, r_c, r_r, nll_c = policy_loss(logp_c, logp_r, ref_c, ref_r, n_c, args.beta, args.nll_coef)
         return loss, {"loss": loss.detach(), "rewards/chosen": r_c, "rewards/rejected": r_r,
                       "rewards/margins": r_c - r_r, "rewards/accuracies": (r_c > r_r).float(),
-                      "nll": nll, "tokens": tokens}  # tensors: no host sync
+                      "nll": nll_c, "tokens": tokens}  # tensors: no host sync
 
     loss_fn = sft_example_loss if args.mode == "sft" else dpo_pair_loss
-    keys = ["n", "loss", "nll", "tokens"] + (["rewards/chosen", "rewards/rejected", "rewards/margins",
-                                              "rewards/accuracies"] if args.mode != "sft" else [])  # every rank's
-
-    # ------------------------------------ the training loop ---------------------------------------
+    keys = ["loss", "nll", "tokens"] + (["rewards/chosen", "rewards/rejected", "rewards/margins",
+                                         "rewards/accuracies"] if args.mode != "sft" else [])  # summed over ranks
     out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.train()
-    opt = training.make_optimizer(model, args.lr, args.schedule)
-    order = {k: getattr(args, k) for k in ("batch_size", "seed", "epochs", "steps")}  # what the data order depends on
-    start = training.load_training_state(model, opt, out / "resume", order) if args.resume else 0
-    log = training.TrainingLog(out, start, rank)
-    saves = training.Checkpointer(out / "resume", args.save_minutes, order, rank)
-    batches = training.batch_order(len(examples), args.batch_size, args.epochs, args.seed, args.steps)
-    snapshot_steps = snapshot_schedule(len(batches), args.snapshots)
-    settings = lambda step: SimpleNamespace(**{**vars(args), "steps": len(batches), "step": step})  # run_settings
-    for step, (epoch, batch) in enumerate(batches, 1):
-        if step <= start:
-            continue  # done before the restart
-        t0, sums = time.time(), dict.fromkeys(keys, 0)
-        for ex in training.micro_batches(model, [examples[i] for i in batch], forwards):  # this rank's share
-            loss, metrics = loss_fn(model, ex)  # one example a micro-batch: memory holds one example's graph
-            training.backward(model, loss / len(batch))  # the step's gradient: the mean over the global batch
-            for k, v in {"n": 1, **metrics}.items():
-                sums[k] += v
-        lr = args.lr * training.lr_factor(step, len(batches), args.schedule)
-        grad_norm = training.optimizer_step(model, opt, lr)
-        sums = training.step_sums(sums, grad_norm)
-        log.write(training.step_line(step, epoch, sums, time.time() - t0, {"lr": lr}))
-        saves.after_step(model, opt, step, step == len(batches))
-        if step in snapshot_steps and not (out / f"step-{step}" / "config.json").exists():
-            training.save_checkpoint(model, tok, out / f"step-{step}", rank, settings(step),
+    settings = lambda step, steps: SimpleNamespace(**{**vars(args), "steps": steps, "step": step})  # run_settings
+
+    def snapshot(step, steps):  # --snapshots: the policy at evenly spaced steps before the last
+        if step in snapshot_schedule(steps, args.snapshots) and not (out / f"step-{step}" / "config.json").exists():
+            training.save_checkpoint(model, tok, out / f"step-{step}", rank, settings(step, steps),
                                      getattr(torch, args.save_dtype))
-    saves.finish()
-    training.save_checkpoint(model, tok, args.output_dir, rank, settings(len(batches)), getattr(torch, args.save_dtype))
+
+    order = {k: getattr(args, k) for k in ("batch_size", "seed", "epochs", "steps")}  # what the data order depends on
+    _, steps = training.train(model, args, examples, loss_fn, forwards, keys, order, args.steps, after_step=snapshot)
+    training.save_checkpoint(model, tok, args.output_dir, rank, settings(steps, steps), getattr(torch, args.save_dtype))
     if rank == 0:
         print(f"saved {args.output_dir}")
 

@@ -1,7 +1,8 @@
-"""What only the two training stages (train_critic.py, train_dpo.py) share: the process group and FSDP2 (one code
-path for every world size), the memory estimate that decides activation checkpointing, the model a stage updates,
-micro-batches in lock-step across ranks, pi_ref's log-probs computed once, the optimizer and its schedule, checkpoints
-and the training state for --resume, and the step log. Nothing else imports it.
+"""What only the two training stages (train_critic.py, train_dpo.py) share: their common settings (TrainerArgs), the
+loop (train: one place scales the loss), pi_ref's log-probs computed once (reference_logprobs), the process group
+and FSDP2 (one code path for every world size), the memory estimate that decides activation checkpointing, the model
+a stage updates, micro-batches in lock-step across ranks, the optimizer and its schedule, checkpoints and the
+training state for --resume, and the step log. Nothing else imports it.
 """
 from __future__ import annotations
 
@@ -12,10 +13,109 @@ import os
 import random
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import common
 from machinery import models
+
+
+@dataclass(kw_only=True)
+class TrainerArgs:
+    """The settings both trainers have (each stage's Args adds its own)."""
+    model: str = "embedded"
+    """the starting model, and pi_ref (HF path or id)"""
+    task_type: str = "code"
+    """code | html"""
+    beta: float = 0.1
+    """scale of the log-ratio (critic: of the advantage; DPO: of the implicit reward)"""
+    lr: float = 2e-7
+    """AdamW learning rate (released: 2e-7 for 8B)"""
+    batch_size: int = 8
+    """examples (pairs, or dialogues for sft) per optimizer step, over all ranks"""
+    train_layers: int = 0
+    """train only the top N decoder layers (+ final norm; 0 = all): a cheaper backward on CPU"""
+    dtype: str = "auto"
+    """compute dtype: auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float32. The weights the optimizer
+    updates stay fp32 (mixed precision): a bf16 weight would round a 2e-7 step away"""
+    save_dtype: str = "float32"
+    """float32 (the trained weights as they are) | bfloat16 (half the size, for serving: a weight whose
+    whole update is below half a bf16 step rounds back to its starting value)"""
+    grad_ckpt: bool = False
+    """activation checkpointing always; without it, on a GPU only where the longest example would not fit
+    (training.recompute)"""
+    save_minutes: float = 30.0
+    """save the training state (model + optimizer) to OUTPUT_DIR/resume when this many minutes have passed since
+    the last save (0: after every step; inf: never), written in the background while training goes on"""
+    resume: bool = False
+    """continue from OUTPUT_DIR/resume (the same data-order settings) instead of starting over"""
+    schedule: str = "released"
+    """released: the release's optimizer (warm-up over 3% of the steps, cosine to 0.1x, AdamW betas 0.9 / 0.95) |
+    constant: a constant rate, AdamW's default betas (the embedded CPU run)"""
+    seed: int = 0
+    """data order (critic: and its held-out split)"""
+
+
+def setup(args):
+    """A trainer's start: (rank, world, device, tokenizer), the output directory checked before any work."""
+    import torch
+    common.check_writable(args.output_dir.rstrip("/") + "/")
+    rank, world, device = init_distributed()
+    torch.manual_seed(args.seed)
+    return rank, world, device, models.load_tokenizer(args.model)
+
+
+def trainer_model(args, longest, world, device):
+    """(the model to update, whether it recomputes activations), for examples of at most `longest` tokens."""
+    ckpt = recompute(args.model, args.grad_ckpt, longest, world, device, args.train_layers)
+    dtype = models.compute_dtype(args.dtype, device)
+    return training_model(args.model, world, device, dtype, ckpt, args.train_layers), ckpt
+
+
+def reference_logprobs(model, items, fn, forwards, args, device, content):
+    """pi_ref = the starting weights: fn(model, item) for every item, once, before any update. Kept in
+    OUTPUT_DIR/ref_logprobs by content (content(item): its token ids) and the model's name and dtype, so a resumed or
+    rerun stage reads them instead of computing them again."""
+    import torch.distributed as dist
+    scored_by = [models.resolve_model(args.model), str(models.compute_dtype(args.dtype, device))]
+    cache = (Path(args.output_dir) / "ref_logprobs", lambda x: content_key(scored_by, content(x)))
+    return precompute(model, items, fn, dist.get_rank(), dist.get_world_size(), forwards, cache=cache)
+
+
+def train(model, args, items, loss_fn, forwards, keys, order, steps=0, extra=None, after_step=None):
+    """The trainers' loop over global batches of `items`: loss_fn(model, item) -> (loss, metrics) for each item of
+    this rank's share, one item a micro-batch; the step's gradient is the mean over the global batch (backward
+    scales it); clip, step, log. keys: the metrics summed over items and ranks; order: what the data order depends
+    on (--resume checks it); steps: 0 for --epochs passes. extra(step) -> more log fields; after_step(step, steps).
+    Returns (the log, the number of steps)."""
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.train()
+    opt = make_optimizer(model, args.lr, args.schedule)
+    start = load_training_state(model, opt, out / "resume", order) if args.resume else 0
+    log = TrainingLog(out, start, rank)
+    saves = Checkpointer(out / "resume", args.save_minutes, order, rank)
+    batches = batch_order(len(items), args.batch_size, args.epochs, args.seed, steps)
+    for step, (epoch, batch) in enumerate(batches, 1):
+        if step <= start:
+            continue  # done before the restart
+        t0, sums = time.time(), dict.fromkeys(["n", *keys], 0)
+        for item in micro_batches(model, [items[i] for i in batch], forwards):  # this rank's share
+            loss, metrics = loss_fn(model, item)  # one item a micro-batch: memory holds one item's graph
+            backward(model, loss, len(batch))
+            for k, v in {"n": 1, **metrics}.items():
+                sums[k] += v
+        lr = args.lr * lr_factor(step, len(batches), args.schedule)
+        grad_norm = optimizer_step(model, opt, lr)
+        sums, seconds = step_sums(sums, grad_norm), time.time() - t0
+        log.write(step_line(step, epoch, sums, seconds, {"lr": lr, **(extra(step) if extra else {})}))
+        saves.after_step(model, opt, step, step == len(batches))
+        if after_step:
+            after_step(step, len(batches))
+    saves.finish()
+    return log, len(batches)
 
 
 def init_distributed():
@@ -362,10 +462,11 @@ def micro_batches(model, examples, forwards):
             backward(model, None)
 
 
-def backward(model, loss):
+def backward(model, loss, batch_size=1):
     """One micro-batch's backward (of micro_batches), in lock-step with the other ranks: its forwards are padded to
-    the plan's with zero-weight ones (loss None or without a gradient: only those). FSDP averages gradients over
-    ranks; the loss is already divided by the global batch size, so it is multiplied by the world size here.
+    the plan's with zero-weight ones (loss None or without a gradient: only those). The one place a loss is
+    scaled: divided by the global batch size (the step's gradient is the mean over the batch) and multiplied by the
+    world size (FSDP averages gradients over ranks).
     Every micro-batch's gradients are reduce-scattered as its backward runs and added to this rank's shard: a
     rank never holds more than one layer's unsharded gradient, whatever the number of micro-batches (FSDP2's
     default; syncing only at the last micro-batch would keep the whole unsharded fp32 gradient until then)."""
@@ -374,7 +475,7 @@ def backward(model, loss):
     if loss is None or not loss.requires_grad:  # nothing to learn here, but a backward must exist
         loss = dummy_forwards(model, 1)
     pad = pad_forwards(model, model.planned, world)
-    ((loss if pad is None else loss + pad) * world).backward()
+    ((loss if pad is None else loss + pad) * (world / batch_size)).backward()
     model.forwards = 0
 
 

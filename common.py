@@ -425,34 +425,38 @@ def extra_rows(all_seqs, rank=0):
     return len(many), sum(many)
 
 
-def bradley_terry(better, worse):
-    """-log sigmoid(better - worse): the Bradley-Terry loss of a preferred item over another, the critic's over
-    trajectory scores (equation 2) and DPO's over implicit rewards (equation 4)."""
-    import torch.nn.functional as F
-    return -F.logsigmoid(better - worse)
-
-
-def sequence_logprobs(model, seqs, chunk=1024):
-    """Log-probs of the agent tokens of several sequences [(ids, turn_of)] in one forward pass: the rows
-    right-padded and the padding masked (no mask when none is padded). Logits are computed only at the
-    positions that predict an agent token of some row, and the log-softmax in chunks of rows; every index
-    is built on the host, so the pass never waits for the device.
-    Returns [(logp [n_agent_tokens], turn index of each [n_agent_tokens])], one per sequence."""
+def turn_logprobs(model, trajs, chunk=1024):
+    """Per-turn log-probs of the agent tokens of one or more trajectories, all in ONE forward pass (a critic's or
+    multi-turn DPO's pair, chosen and rejected, costs one forward: FSDP gathers and reduces each layer once).
+    trajs: [(seqs, num_turns)], seqs as tokenize_turns makes them [(ids, turn_of)]. Returns [(sum, count)] per
+    trajectory: sum [num_turns] of log pi(token) over each turn's tokens (differentiable), count [num_turns]
+    tokens; a turn's mean is sum / count."""
     import torch
     device = next(model.parameters()).device
-    width = max(len(ids) for ids, _ in seqs)
-    scored = [[p for p in range(1, len(ids)) if turn_of[p] >= 0] for ids, turn_of in seqs]  # the first never is
-    keep = sorted({p - 1 for row in scored for p in row})  # the positions some row needs logits at
-    if not keep:
-        return [(torch.zeros(0, device=device), torch.zeros(0, dtype=torch.long, device=device))] * len(seqs)
-    at = {p: j for j, p in enumerate(keep)}
     tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)
-    ids_t = tensor([ids + [0] * (width - len(ids)) for ids, _ in seqs])
-    mask = None if all(len(ids) == width for ids, _ in seqs) else tensor([[1] * len(ids) + [0] * (width - len(ids))
-                                                                          for ids, _ in seqs])
-    logits = model(input_ids=ids_t, attention_mask=mask, logits_to_keep=tensor(keep)).logits  # [rows, keep, vocab]
-    return [(token_logprobs(logits[b, tensor([at[p - 1] for p in row])], tensor([ids[p] for p in row]), chunk),
-             tensor([turn_of[p] for p in row])) for b, ((ids, turn_of), row) in enumerate(zip(seqs, scored))]
+    seqs = [s for ss, _ in trajs for s in ss]  # every sequence of every trajectory: one row each, right-padded
+    scored = [[p for p in range(1, len(ids)) if turn_of[p] >= 0] for ids, turn_of in seqs]  # agent tokens' places
+    keep = sorted({p - 1 for row in scored for p in row})  # logits only where some row predicts an agent token
+    logits = None
+    if keep:
+        width = max(len(ids) for ids, _ in seqs)
+        ids_t = tensor([ids + [0] * (width - len(ids)) for ids, _ in seqs])
+        padded = any(len(ids) < width for ids, _ in seqs)
+        mask = tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in seqs]) if padded else None
+        logits = model(input_ids=ids_t, attention_mask=mask, logits_to_keep=tensor(keep)).logits  # [rows, keep, V]
+    at = {p: j for j, p in enumerate(keep)}  # every index is built on the host: the pass never waits for the device
+    out, b = [], 0
+    for ss, num_turns in trajs:
+        total, count = torch.zeros(num_turns, device=device), torch.zeros(num_turns, device=device)
+        for (ids, turn_of), row in zip(ss, scored[b:b + len(ss)]):
+            if row:
+                logp = token_logprobs(logits[b, tensor([at[p - 1] for p in row])], tensor([ids[p] for p in row]),
+                                      chunk)
+                turn = tensor([turn_of[p] for p in row])
+                total, count = total.index_add(0, turn, logp), count.index_add(0, turn, torch.ones_like(logp))
+            b += 1
+        out.append((total, count))
+    return out
 
 
 def token_logprobs(logits, targets, chunk=1024):
@@ -463,30 +467,6 @@ def token_logprobs(logits, targets, chunk=1024):
         rows = rows.float()  # one fp32 copy of a chunk at a time
         out.append(rows.gather(1, t[:, None]).squeeze(1) - torch.logsumexp(rows, -1))
     return torch.cat(out)
-
-
-def turn_logprobs(model, seqs, num_turns):
-    """Per-turn (sum, count) of agent-token log-probs over a trajectory's sequences, in one forward.
-    sum: [num_turns] float (differentiable), count: [num_turns] tokens per turn. mean = sum / count."""
-    return trajectories_logprobs(model, [(seqs, num_turns)])[0]
-
-
-def trajectories_logprobs(model, trajs):
-    """turn_logprobs of each trajectory in trajs [(seqs, num_turns)], every sequence of every one in a single
-    forward: a critic's or multi-turn DPO's pair (chosen and rejected) costs one forward, so FSDP gathers and
-    reduces each layer once per pair."""
-    import torch
-    device = next(model.parameters()).device
-    flat = [s for seqs, _ in trajs for s in seqs]
-    results = iter(sequence_logprobs(model, flat) if flat else [])
-    out = []
-    for seqs, num_turns in trajs:
-        total, count = torch.zeros(num_turns, device=device), torch.zeros(num_turns, device=device)
-        for _ in seqs:
-            logp, turn = next(results)
-            total, count = total.index_add(0, turn, logp), count.index_add(0, turn, torch.ones_like(logp))
-        out.append((total, count))
-    return out
 
 
 # ------------------------------- FAST PATH (same numbers) -------------------------------------

@@ -222,7 +222,7 @@ def main(args):
         active += going
         done += failed
         prompts = [models.render_prompt(agent.tok, colbench.agent_messages(ep["task"], ep["dialogue"], args.task_type,
-                                                                           templates))
+                                                                           templates, args.max_turns))
                    for ep in active]
         too_long = [len(agent.tok(p, add_special_tokens=False)["input_ids"]) > args.max_prompt_tokens for p in prompts]
         ok = [i for i, bad in enumerate(too_long) if not bad]

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 import colbench
 import common
@@ -91,7 +92,8 @@ def trajectory_score(logp_sum, ref_sum, count, beta, normalization="turn"):
 
 
 def critic_loss(score_chosen, score_rejected):
-    return common.bradley_terry(score_chosen, score_rejected)  # L_critic = -log sigmoid(S(tau+) - S(tau-))
+    """Bradley-Terry over a trajectory pair: L_critic = -log sigmoid(S(tau+) - S(tau-))."""
+    return -F.logsigmoid(score_chosen - score_rejected)
 
 
 # The same A, as the stages after training read it (label_turns.py ranks candidates by it; view.py colours
@@ -118,9 +120,10 @@ def dialogue_advantages(critic, ref, tok, settings, traj, max_len):
     """A(o_t, a_t, c) of every agent turn of one trajectory: [n_turns] (0 for a turn cut off by max_len)."""
     turns = colbench.agent_turns(traj)
     prefix = training_info(traj["task"], settings.get("no_training_info", False))
-    logp_sum, count = common.turn_logprobs(critic, common.tokenize_turns(tok, turns, prefix, max_len), len(turns))
+    seqs = common.tokenize_turns(tok, turns, prefix, max_len)
+    logp_sum, count = common.turn_logprobs(critic, [(seqs, len(turns))])[0]
     ref_seqs = common.tokenize_turns(tok, turns, ranking_prefix(traj["task"], settings), max_len)
-    ref_sum, ref_count = common.turn_logprobs(ref, ref_seqs, len(turns))
+    ref_sum, ref_count = common.turn_logprobs(ref, [(ref_seqs, len(turns))])[0]
     return turn_advantage(logp_sum, ref_sum, count, settings["beta"]) * (count == ref_count)
 # ===============================================================================================
 
@@ -167,7 +170,7 @@ def main(args):
 
     longest = max(training.padded_tokens(*(t["seqs"] for t in pair)) for pair in pairs)
     critic, _ = training.trainer_model(args, longest, world, device)
-    ref_fn = lambda m, t: common.turn_logprobs(m, t["seqs"], len(t["turns"]))[0].tolist()  # pi_ref's per-turn sums
+    ref_fn = lambda m, t: common.turn_logprobs(m, [(t["seqs"], len(t["turns"]))])[0][0].tolist()  # pi_ref's sums
     forwards = lambda t: training.seq_forwards(t["seqs"])
     for t, ref_sum in zip(trajs, training.reference_logprobs(critic, trajs, ref_fn, forwards, args, device,
                                                              lambda t: t["seqs"])):
@@ -177,7 +180,7 @@ def main(args):
         """S(tau+), S(tau-): the critic's score of each trajectory of a pair (equation 2's argument), in one forward."""
         return [trajectory_score(logp_sum, torch.tensor(t["ref_sum"], device=logp_sum.device), count, args.beta,
                                  args.normalization)
-                for t, (logp_sum, count) in zip(pair, common.trajectories_logprobs(
+                for t, (logp_sum, count) in zip(pair, common.turn_logprobs(
                     m, [(t["seqs"], len(t["turns"])) for t in pair]))]
 
     def pair_loss(m, pair):

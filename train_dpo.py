@@ -23,6 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 
 import colbench
 import common
@@ -64,7 +65,7 @@ def dpo_loss(logp_c, logp_r, ref_c, ref_r, beta):
     """Sigmoid DPO on summed log-probs. Returns (loss per pair, reward of chosen, reward of rejected)."""
     rewards_c = beta * (logp_c - ref_c)  # implicit reward of a+: beta * [log pi(a+|o) - log pi_ref(a+|o)]
     rewards_r = beta * (logp_r - ref_r)
-    return common.bradley_terry(rewards_c, rewards_r), rewards_c.detach(), rewards_r.detach()  # L_DPO
+    return -F.logsigmoid(rewards_c - rewards_r), rewards_c.detach(), rewards_r.detach()  # L_DPO: Bradley-Terry
 
 
 def nll(logp, n):
@@ -146,7 +147,7 @@ def main(args):
             ex["shared"] = common.encode_shared(tok, "", ex["prompt"], turns, args.max_len)
 
     def summed_logp(m, seqs, n_turns):
-        total, count = common.turn_logprobs(m, seqs, n_turns)
+        total, count = common.turn_logprobs(m, [(seqs, n_turns)])[0]
         return total.sum(), count.sum()
 
     def forwards(ex):
@@ -161,7 +162,7 @@ def main(args):
             prompt_ids, turns = ex["shared"]
             sums, counts = common.shared_prompt_logprobs(m, prompt_ids, turns)
             return sums[0], sums[1], counts[0], len(prompt_ids) + sum(map(len, turns))
-        (logp_c, n_c), (logp_r, _) = ((total.sum(), count.sum()) for total, count in common.trajectories_logprobs(
+        (logp_c, n_c), (logp_r, _) = ((total.sum(), count.sum()) for total, count in common.turn_logprobs(
             m, [(ex[side + "_seqs"], len(ex[side])) for side in ("chosen", "rejected")]))  # one forward for the pair
         return logp_c, logp_r, n_c, sum(len(s[0]) for s in ex["chosen_seqs"] + ex["rejected_seqs"])
 

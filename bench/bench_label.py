@@ -32,7 +32,7 @@ with torch.no_grad():
     t0 = time.time()
     slow = []
     for c in cands:
-        s, n = common.turn_logprobs(model, [(prompt + c, [-1] * len(prompt) + [0] * len(c))], 1)
+        s, n = common.turn_logprobs(model, [([(prompt + c, [-1] * len(prompt) + [0] * len(c))], 1)])[0]
         slow.append((s / n).item())
     t_slow = time.time() - t0
 print(f"N={a.num_candidates}, prompt {a.prompt_tokens} tokens, candidates {a.candidate_tokens} tokens: "

@@ -99,13 +99,13 @@ def load_tasks(path, task_type="code"):
 # ----------------------------------------------------------------------------------------------
 AGENT_SYSTEM_PROMPT = {
     "code": ("You help a human write one Python function. The human knows details you do not. "
-             "Ask one short question per turn about what you need to know, for at most 10 turns. "
+             "Ask one short question per turn about what you need to know, for at most {max_turns} turns. "
              f"When you know enough, reply with {ANSWER_MARKER} followed only by the Python function."),
     "html": ("You help a human design one web page with HTML and Tailwind CSS. The human has a picture of the page "
              "they want in mind. In each turn you may include at most one HTML snippet (<html>...</html>); it is "
              "rendered and shown to the human, who tells you how it differs from what they want. Ask short "
-             f"questions, for at most 10 turns. When ready, reply with {ANSWER_MARKER} followed only by the full "
-             "HTML."),
+             f"questions, for at most {{max_turns}} turns. When ready, reply with {ANSWER_MARKER} followed only by "
+             "the full HTML."),
 }
 
 HUMAN_PROMPT = {
@@ -372,10 +372,10 @@ def parse_hidden_information(system_prompt):
     return m.group(1) if m else None
 
 
-def agent_messages(task, dialogue, task_type="code", prompts=None):
-    """The agent's chat: our system prompt (or the --prompt_dir agent template, verbatim, as released),
-    then the dialogue as the agent saw it."""
-    system = prompts["agent"] if prompts else AGENT_SYSTEM_PROMPT[task_type]
+def agent_messages(task, dialogue, task_type="code", prompts=None, max_turns=10):
+    """The agent's chat: our system prompt, which states the turn budget it really has (or the --prompt_dir agent
+    template, verbatim, as released), then the dialogue as the agent saw it."""
+    system = prompts["agent"] if prompts else AGENT_SYSTEM_PROMPT[task_type].format(max_turns=max_turns)
     return [{"role": "system", "content": system}] + \
            [{"role": m["role"], "content": m["content"]} for m in dialogue]
 

@@ -166,17 +166,11 @@ def attention(device):
 
 
 def seed_everything(seed):
+    import numpy as np
+    import torch
     random.seed(seed)
-    try:
-        import numpy as np
-        np.random.seed(seed % 2**32)
-    except ImportError:
-        pass
-    try:
-        import torch
-        torch.manual_seed(seed)
-    except ImportError:
-        pass
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def request_seed(base_seed, key):

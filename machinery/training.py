@@ -409,7 +409,7 @@ def dummy_forwards(model, n):
 
 
 def seq_forwards(*seqs):
-    """The forwards trajectories_logprobs runs on the tokenize_turns sequences of one or more trajectories: one,
+    """The forwards turn_logprobs runs on the tokenize_turns sequences of one or more trajectories: one,
     or none when no sequence scores an agent token."""
     return int(any(any(t >= 0 for t in turn_of[1:]) for part in seqs for _, turn_of in part))
 
@@ -420,7 +420,7 @@ def shared_forwards(conts):
 
 
 def padded_tokens(*seqs):
-    """The tokens trajectories_logprobs forwards for the tokenize_turns sequences of one or more trajectories:
+    """The tokens turn_logprobs forwards for the tokenize_turns sequences of one or more trajectories:
     rows times the longest, padding included."""
     rows = [len(ids) for part in seqs for ids, _ in part]
     return len(rows) * max(rows, default=0)

@@ -65,14 +65,14 @@ def test_one_forward_equals_per_turn_forwards(tok_model):
     for t, (_, out) in enumerate(turns):  # exactly the output tokens + end-of-turn belong to turn t
         assert [i for i, k in zip(ids, turn_of) if k == t] == tok(out, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     with torch.no_grad():
-        total, count = common.turn_logprobs(model, seqs, len(turns))
+        total, count = common.turn_logprobs(model, [(seqs, len(turns))])[0]
     assert total.tolist() == pytest.approx(naive_turn_logprobs(model, tok, turns, prefix), abs=1e-5)
     # a template that rewrites history falls back to one sequence per turn, same numbers
     broken = [(inp.replace("What factor?", "What factor??"), out) for inp, out in turns]
     seqs2 = common.tokenize_turns(tok, broken, prefix)
     assert len(seqs2) == 2
     with torch.no_grad():
-        total2, _ = common.turn_logprobs(model, seqs2, len(turns))
+        total2, _ = common.turn_logprobs(model, [(seqs2, len(turns))])[0]
     assert total2.tolist() == pytest.approx(naive_turn_logprobs(model, tok, broken, prefix), abs=1e-5)
     # a trajectory costs one forward whatever its sequences, and so does a pair (rows of unequal length, padded and
     # masked), with the same numbers and gradients
@@ -81,8 +81,8 @@ def test_one_forward_equals_per_turn_forwards(tok_model):
     for together in (False, True):
         model.zero_grad()
         counted.forwards = 0
-        parts = (common.trajectories_logprobs(model, [(seqs, len(turns)), (seqs2, len(turns))]) if together else
-                 [common.turn_logprobs(model, s, len(turns)) for s in (seqs, seqs2)])
+        parts = (common.turn_logprobs(model, [(seqs, len(turns)), (seqs2, len(turns))]) if together else
+                 [common.turn_logprobs(model, [(s, len(turns))])[0] for s in (seqs, seqs2)])
         assert counted.forwards == (1 if together else 2) == (training.seq_forwards(seqs, seqs2) if together else 2)
         assert [t.tolist() for t, _ in parts] == [pytest.approx(naive_turn_logprobs(model, tok, x, prefix), abs=1e-5)
                                                  for x in (turns, broken)]
@@ -100,7 +100,7 @@ def test_critic_score_and_loss_by_hand(tok_model):
         turns = colbench.agent_turns(traj)
         seqs = common.tokenize_turns(tok, turns, train_critic.training_info(TASK))
         with torch.no_grad():
-            s, n = common.turn_logprobs(model, seqs, len(turns))
+            s, n = common.turn_logprobs(model, [(seqs, len(turns))])[0]
         ref = s - torch.tensor([0.3, 0.7][:len(turns)])  # a made-up pi_ref, 0.3 / 0.7 nats lower per turn
         for norm in ("turn", "trajectory"):
             scores[name, norm] = train_critic.trajectory_score(s, ref, n, 0.1, norm).item()
@@ -142,8 +142,8 @@ def test_label_turns_advantage_equals_critic_score(tok_model, tiny_model, tmp_pa
         labelled = train_critic.turn_advantage(crit_sum, ref_sum, count, beta=0.3)
         for c, adv in zip(cands, labelled.tolist()):
             seqs = common.tokenize_turns(tok, [(prompt, c)], prefix)
-            s, n = common.turn_logprobs(critic, seqs, 1)
-            r, _ = common.turn_logprobs(ref, seqs, 1)
+            s, n = common.turn_logprobs(critic, [(seqs, 1)])[0]
+            r, _ = common.turn_logprobs(ref, [(seqs, 1)])[0]
             for norm in ("turn", "trajectory"):
                 assert adv == pytest.approx(train_critic.trajectory_score(s, r, n, 0.3, norm).item(), abs=1e-5)
     assert max(map(abs, labelled.tolist())) > 1e-3  # a real difference, not two zeros
@@ -168,7 +168,7 @@ def test_labelling_and_the_viewer_score_through_the_critic_block(tok_model, tiny
             for c, adv in zip(cands, got[blind]):
                 traj = {"task": TASK, "dialogue_history": [{"role": "assistant", "content": c, "input": prompt, "output": c}]}
                 seqs = common.tokenize_turns(tok, [(prompt, c)], train_critic.training_info(TASK, blind))
-                (s, n), (r, _) = common.turn_logprobs(critic, seqs, 1), common.turn_logprobs(ref, seqs, 1)
+                (s, n), (r, _) = common.turn_logprobs(critic, [(seqs, 1)])[0], common.turn_logprobs(ref, [(seqs, 1)])[0]
                 assert adv == pytest.approx(train_critic.trajectory_score(s, r, n, 0.3).item(), abs=1e-5)
                 assert adv == pytest.approx(train_critic.dialogue_advantages(critic, ref, tok, settings, traj, 4096).item(),
                                             abs=1e-5)
@@ -179,12 +179,12 @@ def test_labelling_and_the_viewer_score_through_the_critic_block(tok_model, tiny
         released = train_critic.candidate_advantages(critic, ref, tok, settings, TASK, prompt, cands, 4096).tolist()
         for c, adv, paper in zip(cands, released, got[False]):
             traj = {"task": TASK, "dialogue_history": [{"role": "assistant", "content": c, "input": prompt, "output": c}]}
-            s, n = common.turn_logprobs(critic, common.tokenize_turns(tok, [(prompt, c)], train_critic.training_info(TASK)), 1)
-            r, _ = common.turn_logprobs(ref, common.tokenize_turns(tok, [(prompt, c)], ""), 1)
+            s, n = common.turn_logprobs(critic, [(common.tokenize_turns(tok, [(prompt, c)], train_critic.training_info(TASK)), 1)])[0]
+            r, _ = common.turn_logprobs(ref, [(common.tokenize_turns(tok, [(prompt, c)], ""), 1)])[0]
             assert adv == pytest.approx(0.3 * (s - r).item() / n.item(), abs=1e-5)
             assert adv == pytest.approx(train_critic.dialogue_advantages(critic, ref, tok, settings, traj, 4096).item(),
                                         abs=1e-5)
-            rc, _ = common.turn_logprobs(ref, common.tokenize_turns(tok, [(prompt, c)], train_critic.training_info(TASK)), 1)
+            rc, _ = common.turn_logprobs(ref, [(common.tokenize_turns(tok, [(prompt, c)], train_critic.training_info(TASK)), 1)])[0]
             pmi = 0.3 * (rc - r).item() / n.item()  # pi_ref's pointwise mutual information of c and the turn, per token
             assert adv - paper == pytest.approx(pmi, abs=1e-5) and abs(pmi) > 1e-5
 
@@ -198,7 +198,7 @@ def test_prefix_reuse_scoring_equals_naive(tok_model):
     with torch.no_grad():
         fast, counts = common.shared_prompt_logprobs(model, p_ids, c_ids)
         for c, f, k in zip(cands, fast, counts):
-            s, n = common.turn_logprobs(model, common.tokenize_turns(tok, [(prompt, c)], prefix), 1)
+            s, n = common.turn_logprobs(model, [(common.tokenize_turns(tok, [(prompt, c)], prefix), 1)])[0]
             assert f.item() == pytest.approx(s.item(), abs=1e-4) and k.item() == n.item()
         # label_turns --max_batch_tokens: the same scores in batches of one or two rows
         for budget in (1, 2 * (len(p_ids) + max(map(len, c_ids)))):
@@ -223,7 +223,7 @@ def test_shared_prompt_dpo_gradients_equal_two_passes(tok_model):
     p_ids, conts = common.encode_shared(tok, "", prompt, [chosen, rejected], 4096)
     sums, _ = common.shared_prompt_logprobs(model, p_ids, conts)
     shared = loss_and_grads(sums[0], sums[1])
-    (c, _), (r, _) = (common.turn_logprobs(model, common.tokenize_turns(tok, [(prompt, t)]), 1) for t in (chosen, rejected))
+    (c, _), (r, _) = (common.turn_logprobs(model, [(common.tokenize_turns(tok, [(prompt, t)]), 1)])[0] for t in (chosen, rejected))
     twice = loss_and_grads(c.sum(), r.sum())
     assert shared[0] == pytest.approx(twice[0], abs=1e-4)
     assert max(g.abs().max().item() for g in twice[1].values()) > 1e-3  # real gradients, not all zero
@@ -584,7 +584,7 @@ def test_a_template_that_trims_content_keeps_one_row(tok_model):
     seqs = common.tokenize_turns(trimming, turns, "c: ")
     assert len(seqs) == 1 and common.extra_rows([seqs]) == (0, 0)
     shown = [(turns[0][0], outputs[0].strip()), (turns[1][0], outputs[1].strip()), turns[2]]
-    got, _ = common.turn_logprobs(model, seqs, 3)
+    got, _ = common.turn_logprobs(model, [(seqs, 3)])[0]
     assert got.tolist() == pytest.approx(naive_turn_logprobs(model, trimming, shown, "c: "), abs=1e-4)
     forgetful = copy.deepcopy(tok)  # shows only the last user message: history rewritten
     forgetful.chat_template = ("{% for m in messages[-1:] %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

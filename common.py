@@ -1,10 +1,6 @@
 """Shared toolbox for every stage, top to bottom: JSONL I/O, resumable outputs and run settings, the command line
-and its errors, the OpenAI-compatible HTTP client for the simulated human, and the per-turn log-prob helpers with
-their one fast path. It imports no module of this project. What only the two trainers share (FSDP2, the optimizer,
-checkpoints, the step log) is in training.py; the models (the embedded default, loading, the policy's samplers) in
-models.py; ColBench's rules in colbench.py; the grader's sandbox in sandbox.py; rendering in render.py.
-
-Nothing here is stage logic; a helper lives here only when two or more stages need it.
+and its errors, the OpenAI-compatible HTTP client for the simulated human, and the per-turn log-probs with their one
+fast path. It imports no module of this project; no stage logic lives here, only what two or more stages need.
 """
 from __future__ import annotations
 
@@ -245,11 +241,9 @@ def run(main, cls, doc):
 
 
 def close_distributed():
-    """Under torchrun, leave the process group once every rank is done, then exit at once: the FSDP
-    modules still hold the group, and freeing gloo's threads during interpreter shutdown can abort a
-    finished rank ("terminate called without an active exception", SIGABRT: rare, seen once in CI),
-    which fails the whole torchrun. Every output is written and flushed by now (JsonlWriter flushes
-    each row; checkpoints end in a barrier)."""
+    """Under torchrun, leave the process group once every rank is done, then exit at once: freeing gloo's threads
+    at interpreter shutdown can abort a finished rank (SIGABRT, seen once in CI) and fail the whole torchrun. Every
+    output is written and flushed by now (rows as written; checkpoints end in a barrier)."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.barrier()

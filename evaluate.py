@@ -26,7 +26,7 @@ from pathlib import Path
 
 import colbench
 import common
-from colbench import grade, sandbox
+from colbench import grade
 
 
 @dataclass
@@ -51,8 +51,6 @@ class Args:
     """html: a CLIP model path or id (e.g. openai/clip-vit-base-patch32); empty = the non-CLIP fallback metric"""
     reference: str = ""
     """html: graded trajectories of a reference run; reports this run's win rate against it"""
-    render_workers: int = 2
-    """html: headless browsers rendering in parallel"""
     compare: str = ""
     """instead of grading: NAME=GRADED,... graded runs on the same tasks (the first is the baseline); writes
     success with 95% bootstrap intervals and paired differences to the first to --summary; NAME=A+B+...
@@ -61,84 +59,15 @@ class Args:
     """with --compare: NAME=DIR,... the checkpoint each run used (recorded in the results)"""
     credit: str = ""
     """with --compare: label_turns.py's PAIRS: the turn credit of each critic from credit.py's PAIRS.credit.json"""
-    bootstrap: int = 10000
-    """with --compare: bootstrap resamples over tasks"""
     select: bool = False
     """with --compare: also pick the run with the highest success (the earliest listed wins a tie) and record it
     as `selected` and `selected_policy` in --summary (run.sh: checkpoint selection on validation tasks)"""
 
 
-def load_trajectories(path, task_type="code"):
-    """Trajectories in the released schema, all checked before any grading; task_id and sample
-    derived when absent."""
-    rows, counts = [], defaultdict(int)
-    for line, r in common.read_jsonl(path):
-        colbench.validate_trajectory(r, f"{path}:{line}", task_type)
-        if "answer" not in r:
-            raise common.DataError(f"{path}:{line}: missing field 'answer' (a trajectory needs task, dialogue_history "
-                                   f"and answer)")
-        r["task_id"] = r.get("task_id") or colbench.task_id(r["task"])
-        if "sample" not in r:
-            r["sample"] = counts[r["task_id"]]
-        counts[r["task_id"]] += 1
-        rows.append(r)
-    return rows
+BOOTSTRAP = 10000  # resamples of every interval
 
 
-def answered(r):
-    """the dialogue ended with an answer (older files without `finish`: the marker appears in it)"""
-    marked = colbench.ANSWER_MARKER in json.dumps(r["dialogue_history"])
-    return r.get("finish", "answered" if marked else "") == "answered"
-
-
-def summarize(rows, k=1):
-    by_task = defaultdict(list)
-    for r in rows:
-        by_task[r["task_id"]].append(r)
-    mean = lambda xs: sum(xs) / max(len(xs), 1)
-    s = {"num_trajectories": len(rows), "num_tasks": len(by_task),
-         "success_rate": mean([r.get("success", False) for r in rows]),
-         "tests_passed": mean([r["reward"] for r in rows]),
-         "mean_turns": mean([colbench.num_agent_turns(r) for r in rows]),
-         "answered_rate": mean([answered(r) for r in rows]),
-         "errors": sum(r.get("finish") == "error" for r in rows),
-         "timeouts": sum(r.get("timeouts", 0) > 0 for r in rows), "k": k,
-         "verdicts": dict(Counter(v for r in rows for v in r.get("verdicts", {}).values()))}
-    firstk = [sorted(v, key=lambda r: r["sample"])[:k] for v in by_task.values()]
-    s["best_of_k_success"] = mean([any(r.get("success", False) for r in v) for v in firstk])
-    s["best_of_k_tests"] = mean([max(r["reward"] for r in v) for v in firstk])
-    return s
-
-
-def print_table(s, title=""):
-    lines = [("trajectories", s["num_trajectories"]), ("tasks", s["num_tasks"])]
-    if "similarity" in s:
-        lines += [(f"similarity ({s['metric']})", f"{100 * s['similarity']:.1f}%")]
-        if s["k"] > 1:
-            lines += [(f"best-of-{s['k']} similarity", f"{100 * s['best_of_k_tests']:.1f}%")]
-        if s.get("exact_design") is not None:
-            lines += [("exact design (every design fact right)", f"{100 * s['exact_design']:.1f}%")]
-        if s.get("win_rate") is not None:
-            lines += [("win rate vs reference", f"{100 * s['win_rate']:.1f}%")]
-        lines += [("pages that failed to render", s["render_failures"])]
-    else:
-        lines += [("success rate", f"{100 * s['success_rate']:.1f}%"),
-                  ("% tests passed", f"{100 * s['tests_passed']:.1f}%")]
-    if s["k"] > 1 and "similarity" not in s:
-        lines += [(f"best-of-{s['k']} success", f"{100 * s['best_of_k_success']:.1f}%"),
-                  (f"best-of-{s['k']} tests", f"{100 * s['best_of_k_tests']:.1f}%")]
-    lines += [("mean agent turns", f"{s['mean_turns']:.2f}"),
-              ("answered with marker", f"{100 * s['answered_rate']:.1f}%"),
-              ("trajectories with a timed-out test", s["timeouts"]), ("rollout errors", s["errors"])]
-    if s.get("verdicts"):
-        verdicts = ", ".join(f"{v} {s['verdicts'][v]}" for v in sandbox.VERDICTS if v in s["verdicts"])
-        lines += [("test verdicts", verdicts)]
-    print(f"\n{title or 'ColBench'}")
-    for name, v in lines:
-        print(f"  {name:<44} {v}")
-
-
-def bootstrap_ci(values, n_boot=10000, seed=0):
+def bootstrap_ci(values, n_boot=BOOTSTRAP, seed=0):
     """95% percentile interval of the mean of per-task values, resampling tasks with replacement."""
     import numpy as np
     x = np.asarray(values, dtype=float)
@@ -188,7 +117,7 @@ def compare(args):
         per_task[name] = {t: sum(map(value, v)) / len(v) for t, v in by.items()}
         tests[name] = sum(r["reward"] for r in rows) / len(rows)
         length[name] = {"mean_turns": sum(map(colbench.num_agent_turns, rows)) / len(rows),  # how long they ran,
-                        "answered_rate": sum(map(answered, rows)) / len(rows)}   # and how many answered at all
+                        "answered_rate": sum(map(grade.answered, rows)) / len(rows)}   # and how many answered at all
         if html and all("exact_design" in r for r in rows):
             exact[name] = sum(r["exact_design"] for r in rows) / len(rows)
             exact_task[name] = {t: sum(r["exact_design"] for r in v) / len(v) for t, v in by.items()}
@@ -206,67 +135,34 @@ def compare(args):
     for other in list(runs)[1:]:  # every other method against every other (e.g. paired_vs_multi_turn_dpo)
         diff = lambda name: [per_task[name][t] - per_task[other][t] for t in tasks]
         res[f"paired_vs_{other}"] = {name: {"diff": sum(diff(name)) / len(tasks),
-                                            "ci95": bootstrap_ci(diff(name), args.bootstrap)}
+                                            "ci95": bootstrap_ci(diff(name))}
                                      for name in runs if name != other}
     for name in runs:
         xs = [per_task[name][t] for t in tasks]
         last = {"exact_design": exact[name]} if name in exact else {} if html else {"tests_passed": tests[name]}
-        res["methods"][name] = {score: sum(xs) / len(xs), "ci95": bootstrap_ci(xs, args.bootstrap), **last,
+        res["methods"][name] = {score: sum(xs) / len(xs), "ci95": bootstrap_ci(xs), **last,
                                 "policy": policies.get(name, ""), **training_of(policies.get(name))}
         if name in outcomes:
             res["methods"][name]["outcomes"] = outcomes[name]
         res["methods"][name].update(length[name])
         if name != base:
             d = [per_task[name][t] - per_task[base][t] for t in tasks]
-            paired[name] = {"diff": sum(d) / len(d), "ci95": bootstrap_ci(d, args.bootstrap)}
+            paired[name] = {"diff": sum(d) / len(d), "ci95": bootstrap_ci(d)}
             if html:  # a task is won when its similarity is higher; ties count half
                 wins = [1.0 if x > 0 else 0.5 if x == 0 else 0.0 for x in d]
-                paired[name].update(win_rate=sum(wins) / len(wins), win_rate_ci95=bootstrap_ci(wins, args.bootstrap),
+                paired[name].update(win_rate=sum(wins) / len(wins), win_rate_ci95=bootstrap_ci(wins),
                                     won=sum(x > 0 for x in d), tied=sum(x == 0 for x in d), lost=sum(x < 0 for x in d))
             if name in exact_task and base in exact_task:  # the similarity barely sees some design facts
                 e = [exact_task[name][t] - exact_task[base][t] for t in tasks]
                 paired[name].update(exact_design_diff=sum(e) / len(e),
-                                    exact_design_ci95=bootstrap_ci(e, args.bootstrap))
+                                    exact_design_ci95=bootstrap_ci(e))
     credit_file = Path(f"{args.credit}.credit.json")
     credit = json.loads(credit_file.read_text()) if args.credit and credit_file.exists() else {}
     if args.credit and not credit:
         print(f"{credit_file}: not found (credit.py writes it); no turn credit in the results", file=sys.stderr)
     res.update({k: v for k, v in credit.items()
                 if k.startswith("credit_") or k in ("class_accuracy", "by_kind", "kind_order", "forms")})
-    last = "exact design" if html else "tests passed"
-    print(f"{'method':<16}{score:>11}{'95% interval':>18}{'vs ' + base:>14}{'95% interval':>18}{last:>14}"
-          + (f"{'win rate':>10}{'95% interval':>16}" if html else ""))
-    for name, m in res["methods"].items():
-        p = paired.get(name)
-        ci = f"[{100 * m['ci95'][0]:.1f}, {100 * m['ci95'][1]:.1f}]"
-        diff = f"{100 * p['diff']:+.1f}" if p else "-"
-        diff_ci = f"[{100 * p['ci95'][0]:+.1f}, {100 * p['ci95'][1]:+.1f}]" if p else ""
-        tail = m.get("exact_design" if html else "tests_passed")
-        line = f"{name:<16}{100 * m[score]:>10.1f}%{ci:>18}{diff:>14}{diff_ci:>18}" + \
-            (f"{100 * tail:>13.1f}%" if tail is not None else f"{'-':>14}")
-        if html and p:
-            wci = p["win_rate_ci95"]
-            line += f"{100 * p['win_rate']:>9.1f}%" + f"[{100 * wci[0]:.1f}, {100 * wci[1]:.1f}]".rjust(16)
-        elif html:
-            line += f"{'-':>10}"
-        print(line)
-    print(f"({len(tasks)} tasks; {'similarity: ' + metric + '; ' if html else ''}95% intervals: bootstrap over tasks, "
-          f"{args.bootstrap} resamples)")
-    for name, p in paired.items():
-        if "won" in p:
-            print(f"{name} vs {base}: won {p['won']}, tied {p['tied']}, lost {p['lost']} tasks")
-        if "exact_design_diff" in p:
-            print(f"exact design, {name} vs {base}: {100 * p['exact_design_diff']:+.1f} "
-                  f"[{100 * p['exact_design_ci95'][0]:+.1f}, {100 * p['exact_design_ci95'][1]:+.1f}] (paired)")
-    # an update that shortens the dialogues answers sooner, with fewer facts heard
-    print("agent turns (mean), answered: " + ", ".join(f"{name} {v['mean_turns']:.2f}, {100 * v['answered_rate']:.0f}%"
-                                                      for name, v in length.items()))
-    if html:  # an update that asks until its turns run out loses such pages whole
-        print("dialogues with no page to grade: " + ", ".join(f"{name} {v['no_page']}" for name, v in length.items()))
-    if outcomes:
-        print("where the dialogues ended: " + " / ".join(colbench.OUTCOMES))
-        for name, o in outcomes.items():
-            print(f"  {name:<16}" + " / ".join(str(o.get(k, 0)) for k in colbench.OUTCOMES))
+    grade.print_comparison(res, BOOTSTRAP)
     for line in credit.get("lines", []):  # turn credit, as credit.py said it
         print(line)
     if args.select:  # max() keeps the first of equal values: the starting policy, then the least-trained snapshot
@@ -316,19 +212,19 @@ def main(args):
                   args.reference and not os.path.exists(args.reference) and f"--reference {args.reference}: not found",
                   not args.input and "--input is required (or --compare NAME=GRADED,...)")
     common.check_writable(args.output, args.summary)  # before grading: a bad path loses no work
-    rows = load_trajectories(args.input, args.task_type)
+    rows = grade.load_trajectories(args.input, args.task_type)
     graded = graded_before(rows, args)
     if graded:
         rows, extra = graded
     elif args.task_type == "html":
-        rows, extra = grade.grade_html_answers(rows, args.clip_model, args.render_workers)
+        rows, extra = grade.grade_html_answers(rows, args.clip_model)
     else:
         rows = grade.grade_code_answers(rows, args.timeout, args.released_semantics, args.workers)
         extra = {"released_semantics": args.released_semantics}
     if args.output and not graded:
         common.write_jsonl(args.output, rows)
         common.save_run_settings(f"{args.output}.run_settings.json", args)
-    s = {**summarize(rows, args.k), **extra}
+    s = {**grade.summarize(rows, args.k), **extra}
     if args.task_type == "html":
         s["similarity"], s["win_rate"] = s["tests_passed"], None
         if rows and all("exact_design" in r for r in rows):  # procedural pages: success = exact design
@@ -340,7 +236,7 @@ def main(args):
                          f"not comparable")
             s["win_rate"] = grade.win_rate(rows, [dict(r, task_id=r.get("task_id") or colbench.task_id(r["task"]))
                                             for r in ref])
-    print_table(s, f"ColBench {'frontend' if args.task_type == 'html' else 'backend'}: {args.input}")
+    grade.print_table(s, f"ColBench {'frontend' if args.task_type == 'html' else 'backend'}: {args.input}")
     if args.summary:
         common.write_text(args.summary, json.dumps(s, indent=2))
     return s

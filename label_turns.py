@@ -197,7 +197,7 @@ class Scorer:
 
     @torch.no_grad()
     def advantages(self, task, prompt, candidates):
-        """{critic name: [advantage of each candidate]}."""
+        """{critic name: [advantage of each candidate]}: equation 3."""
         return {name: candidate_advantages(critic, self.ref, self.tok, self.settings[name], task, prompt, candidates,
                                            self.args.max_len, self.args.max_batch_tokens).tolist()
                 for name, critic in self.critics.items()}

@@ -14,10 +14,8 @@ Reads:  tasks JSONL (generate_tasks.py); talks to the simulated human over HTTP 
     python rollout.py ... --shard 0/4          # or under torchrun: shard = RANK/WORLD_SIZE
     python rollout.py --prefixes dialogues.jsonl --output runs/continued.jsonl ...   # go on with given dialogues
 
-A rerun resumes: finished dialogues are skipped, those that ended with finish=error are redone.
-Batching is continuous at turn granularity. `--agent_backend oracle` is a scripted agent that asks
-for each hidden fact, then answers with the ground truth: it proves the tasks solvable and writes
-the embedded model's warm-up dialogues (docs/curriculum.md).
+A rerun resumes: finished dialogues are skipped, those that ended with finish=error are redone. Batching is
+continuous at turn granularity. `--agent_backend oracle`: colbench/oracle.py's scripted agent (the warm-up's data).
 """
 from __future__ import annotations
 
@@ -31,6 +29,7 @@ import colbench
 import common
 from machinery import models
 from colbench import oracle, render
+from colbench.human import human_requests
 
 
 @dataclass
@@ -67,16 +66,10 @@ class Args:
     """openai backend: server URL, e.g. http://localhost:8001"""
     simulator_url: str = "http://127.0.0.1:8000"
     """the simulated human's OpenAI-compatible server"""
-    simulator_model: str = ""
-    """model name on the simulator server (default: its first model)"""
-    human_workers: int = 16
-    """concurrent requests to the simulator"""
     simulator_timeout: float = 120.0
     """seconds one simulator request may take before it is retried"""
     simulator_retry_s: float = 300.0
     """seconds to keep retrying a failing simulator (with backoff) before that dialogue ends with finish=error"""
-    render_workers: int = 2
-    """html: headless browsers rendering pages for the human"""
     batch_size: int = 32
     """dialogues generated together (hf/vllm) or in flight (openai)"""
     oracle_hasty: float = 0.0
@@ -161,8 +154,7 @@ def main(args):
           file=sys.stderr)
     if not todo:
         return
-    human = common.ChatClient(args.simulator_url, args.simulator_model or None, workers=args.human_workers,
-                              timeout=args.simulator_timeout, retry_time=args.simulator_retry_s)
+    human = common.ChatClient(args.simulator_url, timeout=args.simulator_timeout, retry_time=args.simulator_retry_s)
     if args.agent_backend == "oracle":
         agent = oracle.OracleAgent(models.load_tokenizer(args.agent_model), args)
     else:
@@ -171,7 +163,7 @@ def main(args):
                                     args.gpu_memory_utilization, reuse_cache=args.reuse_cache,
                                     max_model_len=args.max_prompt_tokens + args.max_new_tokens)
     max_chars = colbench.HUMAN_MAX_CHARS[args.task_type]
-    pool = render.RenderPool(args.render_workers) if args.task_type == "html" else None
+    pool = render.RenderPool() if args.task_type == "html" else None
     targets = {}  # html: task_id -> the target page's render, once per task
 
     def ended(ep):  # the dialogue's finished row when its last agent turn ended it, else None
@@ -182,19 +174,7 @@ def main(args):
     def human_turn(ask):  # the human replies to each dialogue's last agent turn: (dialogues going on, failed rows)
         if not ask:
             return [], []
-        if pool is None:
-            requests = [colbench.human_messages(ep["task"], ep["dialogue"], args.task_type, prompts=templates)
-                        for ep in ask]
-        else:  # render the target (once) and the agent's snippet, if its turn has one, for the human
-            new = {ep["task"]["task_id"]: ep["task"]["ground_truth"] for ep in ask
-                   if ep["task"]["task_id"] not in targets}
-            targets.update(zip(new, (img for img, _ in pool.render_many(list(new.values()), kept=True))))
-            snippets = [render.extract_html(ep["dialogue"][-1]["content"]) for ep in ask]
-            renders = pool.render_many([s for s in snippets if s])
-            agent_imgs = [renders.pop(0)[0] if s else None for s in snippets]
-            requests = [colbench.human_messages(ep["task"], ep["dialogue"], "html", img, targets[ep["task"]["task_id"]],
-                                                templates)
-                        for ep, img in zip(ask, agent_imgs)]
+        requests = human_requests(ask, args.task_type, templates, pool, targets)
         replies = human.chat_many(requests, errors=True, temperature=0.0, max_tokens=256)
         going, failed = [], []
         for ep, reply in zip(ask, replies):

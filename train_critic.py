@@ -53,14 +53,12 @@ class Args(training.TrainerArgs):
     """ablation: the critic does not see the ground truth"""
     heldout_fraction: float = 0.1
     """share of tasks whose pairs are held out for evaluation"""
-    eval_every: int = 20
-    """every N steps, log the held-out loss/acc/margin on a fixed sample of HELDOUT_SAMPLE of its pairs (0 = only
-    at the end, which scores them all); its time is logged apart (heldout_seconds), outside tokens_per_s"""
     train_metrics: bool = False
     """at the end, also score every train pair (a forward pass over all of them) into final_metrics.json"""
 
 
-HELDOUT_SAMPLE = 32  # held-out pairs scored every --eval_every steps: at batch 8, ~7% of the training's forwards
+HELDOUT_SAMPLE, HELDOUT_EVERY = 32, 20  # held-out pairs logged every 20 steps (at batch 8, ~7% of the forwards;
+# their time apart, heldout_seconds); at the end all of them
 
 
 def training_info(task, no_training_info=False):
@@ -141,8 +139,7 @@ def load_critic(critic_dir):
 def main(args):
     common.refuse(args.normalization not in ("turn", "trajectory") and "--normalization: choose turn or trajectory",
                   args.ranking not in ("paper", "released") and "--ranking: choose paper or released",
-                  args.task_type not in ("code", "html") and f"--task_type {args.task_type}: choose code or html",
-                  args.beta <= 0 and "--beta must be positive", *training.argument_problems(args),
+                  *training.argument_problems(args),
                   not 0 <= args.heldout_fraction < 1 and "--heldout_fraction must be in [0, 1)")
     rank, world, device, tok = training.setup(args)
     pairs = colbench.trajectory_pairs(colbench.load_graded(args.trajectories), args.task_type)
@@ -207,8 +204,8 @@ def main(args):
         return {f"{name}_loss": critic_loss(margins, 0).mean().item(),
                 f"{name}_acc": (margins > 0).float().mean().item(), f"{name}_margin": margins.mean().item()}
 
-    def heldout(step):  # every --eval_every steps: a fixed sample of the held-out pairs
-        if not (args.eval_every and step % args.eval_every == 0 and held_pairs):
+    def heldout(step):  # every HELDOUT_EVERY steps: a fixed sample of the held-out pairs
+        if not (step % HELDOUT_EVERY == 0 and held_pairs):
             return {}
         t1 = time.time()
         return {**pair_metrics("heldout", held_sample), "heldout_seconds": time.time() - t1}

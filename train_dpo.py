@@ -122,10 +122,8 @@ def main(args):
                   sequences and not args.trajectories and f"--mode {args.mode} needs --trajectories",
                   args.mode == "turn" and args.trajectories and "--trajectories is for --mode trajectory/sft",
                   args.mode != "turn" and args.pairs and "--pairs is for --mode turn",
-                  args.task_type not in ("code", "html") and f"--task_type {args.task_type}: choose code or html",
                   args.sft_on not in ("success", "all") and f"--sft_on {args.sft_on}: choose success or all",
-                  args.beta <= 0 and "--beta must be positive", args.nll_coef < 0 and "--nll_coef must be >= 0",
-                  args.steps < 0 and "--steps must be >= 0",
+                  args.nll_coef < 0 and "--nll_coef must be >= 0", args.steps < 0 and "--steps must be >= 0",
                   *training.argument_problems(args))
     rank, world, device, tok = training.setup(args)
     examples = build_examples(args)

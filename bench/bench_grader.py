@@ -45,8 +45,8 @@ with tempfile.TemporaryDirectory() as d:
             f.write(json.dumps({"task": t, "dialogue_history": [], "answer": t["ground_truth"]}) + "\n")
     args = evaluate.Args(input=path)
     t0 = time.time()
-    rows = grade.grade_code_answers(evaluate.load_trajectories(path), args.timeout)
+    rows = grade.grade_code_answers(grade.load_trajectories(path), args.timeout)
     dt = time.time() - t0
-s = evaluate.summarize(rows)
+s = grade.summarize(rows)
 print(f"{len(rows)} tasks graded (ground truth as answer) in {dt:.1f} s on {os.cpu_count()} cores "
       f"({len(rows) / dt:.1f} tasks/s); success {100 * s['success_rate']:.1f}%")

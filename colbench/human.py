@@ -48,3 +48,18 @@ class ScriptedHuman:
         if hidden is not None:
             return colbench.scripted_reply(hidden, last)
         return "I don't know, sorry."
+
+
+def human_requests(episodes, task_type="code", prompts=None, pool=None, targets=None):
+    """The human's chat for each dialogue whose agent just spoke (episodes: {"task", "dialogue"}). Pages (a
+    render.RenderPool): the human also sees the target page rendered (once a task, kept in `targets`) and the agent's
+    snippet rendered, if its turn shows one."""
+    if pool is None:
+        return [colbench.human_messages(ep["task"], ep["dialogue"], task_type, prompts=prompts) for ep in episodes]
+    new = {ep["task"]["task_id"]: ep["task"]["ground_truth"] for ep in episodes if ep["task"]["task_id"] not in targets}
+    targets.update(zip(new, (img for img, _ in pool.render_many(list(new.values()), kept=True))))
+    snippets = [render.extract_html(ep["dialogue"][-1]["content"]) for ep in episodes]
+    renders = pool.render_many([s for s in snippets if s])
+    agent_imgs = [renders.pop(0)[0] if s else None for s in snippets]
+    return [colbench.human_messages(ep["task"], ep["dialogue"], "html", img, targets[ep["task"]["task_id"]], prompts)
+            for ep, img in zip(episodes, agent_imgs)]

@@ -101,13 +101,6 @@ def dtype_problem(flag, name):
     return name not in ("auto", "bfloat16", "float32") and f"{flag} {name}: choose auto, bfloat16 or float32"
 
 
-def precision_problems(args):
-    """refuse()'s checks of a training stage's --dtype and --save_dtype."""
-    return [dtype_problem("--dtype", args.dtype),
-            args.save_dtype not in ("float32", "bfloat16")
-            and f"--save_dtype {args.save_dtype}: choose float32 or bfloat16"]
-
-
 def compute_dtype(name, device):
     """--dtype: auto is bf16 compute on a GPU, fp32 on the CPU; or bfloat16 / float32."""
     import torch
@@ -194,7 +187,7 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
 # Samplers
 # ----------------------------------------------------------------------------------------------
 def end_tokens(tok):
-    """The token ids that end a turn: a row that picks one has ended it (HFSampler, simulator.py's HFBackend)."""
+    """The token ids that end a turn: a row that picks one has ended it (HFSampler)."""
     return {tok.eos_token_id, tok.pad_token_id}
 
 

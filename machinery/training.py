@@ -583,14 +583,16 @@ def batch_order(n, batch_size, epochs, seed, steps=0):
 
 
 def argument_problems(args):
-    """refuse()'s checks of the settings both trainers have: the optimizer's, the precision, resume."""
+    """refuse()'s checks of the settings both trainers have (TrainerArgs, and --epochs, --output_dir)."""
     out = Path(args.output_dir)
-    return [args.lr <= 0 and "--lr must be positive",
+    return [args.task_type not in ("code", "html") and f"--task_type {args.task_type}: choose code or html",
+            args.beta <= 0 and "--beta must be positive", args.lr <= 0 and "--lr must be positive",
             args.schedule not in SCHEDULES and f"--schedule {args.schedule}: choose released or constant",
             args.epochs <= 0 and "--epochs must be positive",
             args.batch_size < 1 and "--batch_size must be at least 1",
             args.save_minutes < 0 and "--save_minutes must be >= 0",
-            *models.precision_problems(args),
+            models.dtype_problem("--dtype", args.dtype), args.save_dtype not in ("float32", "bfloat16")
+            and f"--save_dtype {args.save_dtype}: choose float32 or bfloat16",
             args.resume and not (out / "resume").exists() and not (out / "resume.old").exists()
             and f"--resume: nothing to resume in {args.output_dir}/resume"]
 

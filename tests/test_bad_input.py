@@ -8,6 +8,7 @@ import types
 import pytest
 
 import colbench
+from colbench import grade
 import common
 import evaluate
 import label_turns
@@ -44,11 +45,11 @@ def test_malformed_files_name_file_and_line(tmp_path):
 
     bad_turn = dict(TRAJ, dialogue_history=[{"role": "user", "content": "x"}, {"content": "no role"}])
     traj = write(tmp_path / "traj.jsonl", [TRAJ, bad_turn])
-    fails_with(evaluate.load_trajectories, traj, match=r"traj.jsonl:2: dialogue_history\[1\] must be")
+    fails_with(grade.load_trajectories, traj, match=r"traj.jsonl:2: dialogue_history\[1\] must be")
     no_answer = write(tmp_path / "traj2.jsonl", [{k: v for k, v in TRAJ.items() if k != "answer"}])
-    fails_with(evaluate.load_trajectories, no_answer, match=r"traj2.jsonl:1: missing field 'answer'")
+    fails_with(grade.load_trajectories, no_answer, match=r"traj2.jsonl:1: missing field 'answer'")
     bad_tests = write(tmp_path / "traj3.jsonl", [TRAJ, dict(TRAJ, task=dict(TASK, test_cases={"a": 3}))])
-    fails_with(evaluate.load_trajectories, bad_tests, match=r"traj3.jsonl:2: test case 'a' must be")
+    fails_with(grade.load_trajectories, bad_tests, match=r"traj3.jsonl:2: test case 'a' must be")
 
     graded = write(tmp_path / "g.jsonl", [TRAJ, TRAJ, {k: v for k, v in TRAJ.items() if k != "reward"}])
     fails_with(colbench.load_graded, graded, match=r"g.jsonl:3: missing 'reward'")

@@ -169,7 +169,7 @@ def test_compare_reports_bootstrap_and_paired_intervals(tmp_path):
     better = [1, 1] * 20
     a, b = graded("a", base), graded("b", better)
     out = run_script("evaluate.py", "--compare", f"zero_shot={a},sweet_rl={b}", "--policies", "zero_shot=p0,sweet_rl=p1",
-                     "--summary", tmp_path / "r.json", "--bootstrap", "2000")
+                     "--summary", tmp_path / "r.json")
     res = json.loads((tmp_path / "r.json").read_text())
     # how long the dialogues ran: base 20 of 3 turns and 20 of 1, better 20 of 3 and 20 of 4; base's failures at
     # i = 1, 5, 9, ... (10 of 40) never answered
@@ -192,7 +192,7 @@ def test_compare_reports_bootstrap_and_paired_intervals(tmp_path):
     # on their own: 80 tasks, zero-shot 0.5 in both, sweet_rl 1.0 then 0.5, so a paired +0.25 over the pool
     a2, b2 = graded("a2", base), graded("b2", base)
     pooled = evaluate.main(common.parse_args(evaluate.Args, argv=[
-        "--compare", f"zero_shot={a}+{a2},sweet_rl={b}+{b2}", "--bootstrap", "2000"]))
+        "--compare", f"zero_shot={a}+{a2},sweet_rl={b}+{b2}"]))
     assert pooled["num_test_tasks"] == 80 and pooled["methods"]["sweet_rl"]["success"] == 0.75
     p = pooled["paired_vs_zero_shot"]["sweet_rl"]
     assert p["diff"] == 0.25 and 0.1 < p["ci95"][0] < 0.25 < p["ci95"][1] < 0.4
@@ -216,7 +216,7 @@ def test_select_keeps_the_best_and_the_earliest_of_a_tie(tmp_path):
     for runs, chosen in (((start, worse, better), "c"), ((start, worse, same), "a"), ((start, same, worse), "a")):
         names = "abc"
         run_script("evaluate.py", "--compare", ",".join(f"{n}={p}" for n, p in zip(names, runs)), "--select",
-                   "--policies", ",".join(f"{n}=dir_{n}" for n in names), "--summary", tmp_path / "sel.json", "--bootstrap", "100")
+                   "--policies", ",".join(f"{n}=dir_{n}" for n in names), "--summary", tmp_path / "sel.json")
         res = json.loads((tmp_path / "sel.json").read_text())
         assert (res["selected"], res["selected_policy"]) == (chosen, f"dir_{chosen}")
 

@@ -5,10 +5,10 @@ import random
 import pytest
 
 import colbench
+import colbench.tasks
 import common
 from colbench import sandbox
-import colbench.tasks
-from conftest import read_jsonl, run_script
+from conftest import ROOT, read_jsonl, run_script
 
 # A plausible answer per family written WITHOUT the hidden facts (the obvious defaults a model guesses).
 NAIVE = {
@@ -113,3 +113,16 @@ def test_colbench_files_give_every_train_task_and_the_first_thousand_test_tasks(
     test, train = read_jsonl(tmp_path / "t.jsonl"), read_jsonl(tmp_path / "tr.jsonl")
     assert [t["problem_description"] for t in test] == [t["problem_description"] for t in tasks[:1000]]
     assert [t["problem_description"] for t in train] == [t["problem_description"] for t in tasks[1200:]]
+
+
+def test_the_readme_colbench_snippet_runs_as_written():
+    """README's "ColBench as a package": the documented API (tasks, the human's reply, the sandboxed grade) in a fresh
+    interpreter from the project folder, with the output its comment shows."""
+    import subprocess
+    import sys
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## ColBench as a package"):]
+    code = section[section.index("```python\n") + 10:section.index("\n```", section.index("```python"))]
+    out = subprocess.run([sys.executable, "-"], input=code, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == code.rsplit("# ", 1)[1].strip()  # "One shelf holds 36 books. True 1.0"

@@ -11,9 +11,8 @@ Reads:  trajectories JSONL in the released schema (task, dialogue_history and an
     python evaluate.py --compare zero_shot=A_GRADED,sweet_rl=B_GRADED --summary runs/results.json
     python evaluate.py --compare zero_shot=A0+A1+A2,sweet_rl=B0+B1+B2   # pooled over draws (NAME=draw+draw)
 
-Every ground truth and answer runs in a sandboxed child process (sandbox.run_calls), the ground truth
-once per task. Code is exec'd at module level and no substring blacklist applies (the released
-grader's quirks, restored by --released_semantics; docs/grader.md).
+Grading is colbench/grade.py's: every ground truth (once a task) and answer runs in a sandboxed child process;
+no substring blacklist applies (the released grader's quirks: --released_semantics; docs/grader.md).
 """
 from __future__ import annotations
 

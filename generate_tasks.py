@@ -1,15 +1,12 @@
 r"""Make ColBench task files (the public JSONL format, one task per line).
 
 Reads: nothing (procedural), or a ColBench JSONL / `datasets` directory (file).
-Writes: JSONL with problem_description, hidden_information, ground_truth, test_cases (+ task_id);
-        html: problem_description and ground_truth (the target page), and for procedural pages
-        hidden_information (the hidden design facts).
+Writes: JSONL with problem_description, hidden_information, ground_truth, test_cases (+ task_id); html:
+        problem_description and ground_truth (the target page), procedural pages hidden_information too.
 
     python generate_tasks.py --task_type code --source procedural --num_tasks 200 --seed 1 --output data/test.jsonl
-    python generate_tasks.py --task_type code --source procedural --num_tasks 1000 --seed 0 \
-        --exclude data/test.jsonl --output data/train.jsonl
-    python generate_tasks.py --task_type code --source file --input colbench_backend.jsonl --num_tasks 0 \
-        --output data/tasks.jsonl
+    python generate_tasks.py --num_tasks 1000 --seed 0 --exclude data/test.jsonl --output data/train.jsonl
+    python generate_tasks.py --source file --input colbench_backend.jsonl --num_tasks 0 --output data/tasks.jsonl
     python generate_tasks.py --task_type html --source procedural --num_tasks 50 --seed 1 --output data/html_test.jsonl
 
 Procedural tasks are ours (colbench/tasks.py, docs/curriculum.md): small personalised functions with two hidden

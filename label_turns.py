@@ -15,9 +15,8 @@ score each with train_critic.candidate_advantages,
     A(a) = beta * mean over a's tokens of [log pi_critic(a | c, o_t) - log pi_ref(a | c, o_t)]    (equation 3)
 or, for a critic trained with --ranking released, minus the mean log pi_ref(a | o_t) without c (the release's
 rank_best_of_n, whose sampler recorded its log-probs without c; here the sampler is pi_ref),
-and pair a candidate of the better half with one of the worse half, the largest gaps first. With
---credit_critics every candidate's advantage under each of those critics is stored too, for the
-turn-credit diagnostics (credit.py reads PAIRS.states.jsonl and writes PAIRS.credit.json).
+and pair a candidate of the better half with one of the worse half, the largest gaps first. --credit_critics: every
+candidate's advantage under those critics too, for the turn-credit diagnostics (credit.py).
 """
 from __future__ import annotations
 

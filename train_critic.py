@@ -57,8 +57,7 @@ class Args(training.TrainerArgs):
     """at the end, also score every train pair (a forward pass over all of them) into final_metrics.json"""
 
 
-HELDOUT_SAMPLE, HELDOUT_EVERY = 32, 20  # held-out pairs logged every 20 steps (at batch 8, ~7% of the forwards;
-# their time apart, heldout_seconds); at the end all of them
+HELDOUT_SAMPLE, HELDOUT_EVERY = 32, 20  # held-out pairs logged every 20 steps (~7% of the forwards); at the end all
 
 
 def training_info(task, no_training_info=False):
@@ -210,9 +209,8 @@ def main(args):
         t1 = time.time()
         return {**pair_metrics("heldout", held_sample), "heldout_seconds": time.time() - t1}
 
-    order = {"batch_size": args.batch_size, "seed": args.seed, "epochs": args.epochs}  # what the data order depends on
     log, _ = training.train(critic, args, train_pairs, pair_loss, pair_forwards, ["loss", "acc", "margin", "tokens"],
-                            order, extra=heldout)
+                            extra=heldout)
     final = {**(pair_metrics("train", train_pairs) if args.train_metrics else {}),
              **pair_metrics("heldout", held_pairs)}
     if rank == 0:
@@ -220,8 +218,6 @@ def main(args):
         common.write_text(Path(args.output_dir) / "final_metrics.json",
                           json.dumps({"steps": len(log.history), **final}, indent=2))
     training.save_checkpoint(critic, tok, args.output_dir, rank, args, getattr(torch, args.save_dtype))
-    if rank == 0:
-        print(f"saved {args.output_dir}")
 
 
 if __name__ == "__main__":

@@ -144,9 +144,8 @@ def main(args):
             turns = [ex["chosen"][0][1], ex["rejected"][0][1]]
             ex["shared"] = common.encode_shared(tok, "", ex["prompt"], turns, args.max_len)
 
-    def summed_logp(m, seqs, n_turns):
-        total, count = common.turn_logprobs(m, [(seqs, n_turns)])[0]
-        return total.sum(), count.sum()
+    def summed_logp(m, seqs, n_turns):  # log pi(a|o) and the tokens, summed over the turns
+        return [x.sum() for x in common.turn_logprobs(m, [(seqs, n_turns)])[0]]
 
     def forwards(ex):
         """The forwards loss_fn (and pi_ref's log-probs) run on one example."""
@@ -196,11 +195,8 @@ def main(args):
             training.save_checkpoint(model, tok, out / f"step-{step}", rank, settings(step, steps),
                                      getattr(torch, args.save_dtype))
 
-    order = {k: getattr(args, k) for k in ("batch_size", "seed", "epochs", "steps")}  # what the data order depends on
-    _, steps = training.train(model, args, examples, loss_fn, forwards, keys, order, args.steps, after_step=snapshot)
+    _, steps = training.train(model, args, examples, loss_fn, forwards, keys, after_step=snapshot)
     training.save_checkpoint(model, tok, args.output_dir, rank, settings(steps, steps), getattr(torch, args.save_dtype))
-    if rank == 0:
-        print(f"saved {args.output_dir}")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,6 @@
-"""What only the two training stages (train_critic.py, train_dpo.py) share: their common settings (TrainerArgs), the
-loop (train: one place scales the loss), pi_ref's log-probs computed once (reference_logprobs), the process group
-and FSDP2 (one code path for every world size), the memory estimate that decides activation checkpointing, the model
-a stage updates, micro-batches in lock-step across ranks, the optimizer and its schedule, checkpoints and the
-training state for --resume, and the step log. Nothing else imports it.
-"""
+"""What only the two trainers share: their settings (TrainerArgs), the loop (train), pi_ref's log-probs computed once
+(reference_logprobs), FSDP2 over any world size with lock-step micro-batches, the memory estimate that decides
+activation checkpointing, the optimizer, checkpoints and --resume, the step log. Nothing else imports it."""
 from __future__ import annotations
 
 import hashlib
@@ -42,8 +39,7 @@ class TrainerArgs:
     """float32 (the trained weights as they are) | bfloat16 (half the size, for serving: a weight whose
     whole update is below half a bf16 step rounds back to its starting value)"""
     grad_ckpt: bool = False
-    """activation checkpointing always; without it, on a GPU only where the longest example would not fit
-    (training.recompute)"""
+    """activation checkpointing always; without it, on a GPU only where the longest example would not fit"""
     save_minutes: float = 30.0
     """save the training state (model + optimizer) to OUTPUT_DIR/resume when this many minutes have passed since
     the last save (0: after every step; inf: never), written in the background while training goes on"""
@@ -82,22 +78,22 @@ def reference_logprobs(model, items, fn, forwards, args, device, content):
     return precompute(model, items, fn, dist.get_rank(), dist.get_world_size(), forwards, cache=cache)
 
 
-def train(model, args, items, loss_fn, forwards, keys, order, steps=0, extra=None, after_step=None):
+def train(model, args, items, loss_fn, forwards, keys, extra=None, after_step=None):
     """The trainers' loop over global batches of `items`: loss_fn(model, item) -> (loss, metrics) for each item of
     this rank's share, one item a micro-batch; the step's gradient is the mean over the global batch (backward
-    scales it); clip, step, log. keys: the metrics summed over items and ranks; order: what the data order depends
-    on (--resume checks it); steps: 0 for --epochs passes. extra(step) -> more log fields; after_step(step, steps).
-    Returns (the log, the number of steps)."""
+    scales it); clip, step, log. keys: the metrics summed over items and ranks; --steps if the stage has it, else
+    --epochs passes. extra(step) -> more log fields; after_step(step, steps). Returns (the log, the number of steps)."""
     import torch.distributed as dist
     rank = dist.get_rank()
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.train()
     opt = make_optimizer(model, args.lr, args.schedule)
+    order = {k: getattr(args, k) for k in ("batch_size", "seed", "epochs", "steps") if hasattr(args, k)}  # --resume
     start = load_training_state(model, opt, out / "resume", order) if args.resume else 0
     log = TrainingLog(out, start, rank)
     saves = Checkpointer(out / "resume", args.save_minutes, order, rank)
-    batches = batch_order(len(items), args.batch_size, args.epochs, args.seed, steps)
+    batches = batch_order(len(items), args.batch_size, args.epochs, args.seed, getattr(args, "steps", 0))
     for step, (epoch, batch) in enumerate(batches, 1):
         if step <= start:
             continue  # done before the restart
@@ -267,7 +263,7 @@ def save_checkpoint(model, tokenizer, out_dir, rank, settings=None, dtype=None):
     """Gather the full state dict to rank 0 and save a plain HF checkpoint (loads in transformers and
     vLLM), in the weights' own dtype (fp32 master weights) or in dtype (--save_dtype bfloat16, for
     serving). Written to a temp dir first and moved in file by file, config.json last: a directory
-    with a config.json holds a complete checkpoint, whenever the run was killed."""
+    with a config.json holds a complete checkpoint, whenever the run was killed. Says so on rank 0."""
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -292,6 +288,7 @@ def save_checkpoint(model, tokenizer, out_dir, rank, settings=None, dtype=None):
             os.replace(f, out_dir / f.name)
         tmp.rmdir()
         shutil.rmtree(out_dir / "resume", ignore_errors=True)  # the run is complete
+        print(f"saved {out_dir}", flush=True)
     barrier()
 
 
@@ -464,9 +461,8 @@ def micro_batches(model, examples, forwards):
 
 def backward(model, loss, batch_size=1):
     """One micro-batch's backward (of micro_batches), in lock-step with the other ranks: its forwards are padded to
-    the plan's with zero-weight ones (loss None or without a gradient: only those). The one place a loss is
-    scaled: divided by the global batch size (the step's gradient is the mean over the batch) and multiplied by the
-    world size (FSDP averages gradients over ranks).
+    the plan's with zero-weight ones (loss None or without a gradient: only those). The one place a loss is scaled:
+    / the global batch size (the step's gradient: the batch's mean) * the world size (FSDP averages over ranks).
     Every micro-batch's gradients are reduce-scattered as its backward runs and added to this rank's shard: a
     rank never holds more than one layer's unsharded gradient, whatever the number of micro-batches (FSDP2's
     default; syncing only at the last micro-batch would keep the whole unsharded fp32 gradient until then)."""

@@ -12,8 +12,6 @@ and ranks the candidates of each state by
     released: mean log pi_critic(a | c, o) - mean log pi_ref(a | o)   (the release's rank_best_of_n: the sampler's
               own log-probs, recorded without c)
     pmi:      mean log pi_ref(a | c, o) - mean log pi_ref(a | o)   (no critic: how much c makes a likely)
-    own:      mean log pi_critic(a | c, o) - mean log pi_critic(a | o)   (--own: the critic's own baseline without c,
-              one more pass per critic; what the critic learned of a turn's kind whatever c says cancels)
 It prints credit.py's class pairs by kind (good answer > bad question, ...) and the exact answer pairs for each
 critic and ranking, and writes them to RUN/rescore/report.json. A critic variant costs its training and one
 forward over the candidates (about 3 min for 135 states x 8 candidates on 2 cores), not a run.
@@ -64,7 +62,6 @@ def main():
     p.add_argument("--run", required=True, help="a run directory with pairs.jsonl.states.jsonl and its classes")
     p.add_argument("--critics", required=True, help="NAME=DIR,...: train_critic.py outputs from one pi_ref")
     p.add_argument("--max_len", type=int, default=16384, help="longest prompt + candidate (label_turns.py's)")
-    p.add_argument("--own", action="store_true", help="also each critic against itself given o alone")
     args = p.parse_args()
     run, out = Path(args.run), Path(args.run) / "rescore"
     out.mkdir(exist_ok=True)
@@ -80,8 +77,6 @@ def main():
     ref_o = cached_scores(out / "ref_given_o.jsonl", states, trajs, ref_name, tok, False, args.max_len)
     by_critic = {name: cached_scores(out / f"critic_{name}.jsonl", states, trajs, d, tok, True, args.max_len)
                  for name, d in critics.items()}
-    own = {name: cached_scores(out / f"critic_{name}_given_o.jsonl", states, trajs, d, tok, False, args.max_len)
-           for name, d in critics.items() if args.own}
     A = lambda logp, ref, k: turn_advantage(torch.tensor(logp[k][0]), torch.tensor(ref[k][0]),
                                             torch.tensor(logp[k][1]), 1.0).tolist()  # the critic block's, beta 1
     for s in states:
@@ -90,8 +85,6 @@ def main():
         for name in critics:
             forms[f"{name}/paper"] = A(by_critic[name], ref_c, k)
             forms[f"{name}/released"] = A(by_critic[name], ref_o, k)
-            if name in own:
-                forms[f"{name}/own"] = A(by_critic[name], own[name], k)
         s["advantages_by_critic"] = forms
     names = list(states[0]["advantages_by_critic"])
     acc = credit.accuracies(states, names)

@@ -214,7 +214,7 @@ def test_evaluate_accepts_released_schema_without_ids(tmp_path, task_files):
     assert json.loads((tmp_path / "s.json").read_text())["success_rate"] == 0.75
     (tmp_path / "bad.jsonl").write_text(json.dumps({"task": tasks[0]}) + "\n")
     with pytest.raises(common.DataError, match=r"bad.jsonl:1: missing field 'dialogue_history'"):
-        __import__("evaluate").load_trajectories(tmp_path / "bad.jsonl")
+        __import__("colbench.grade").grade.load_trajectories(tmp_path / "bad.jsonl")
 
 
 def completions_server(answer):

@@ -182,7 +182,7 @@ def test_killed_stage_cgroups_are_removed(tmp_path):
             f.write(str(sleeper.pid))
         code = "from colbench import sandbox; print(sandbox.run_calls('def f():\\n    return 1', [('t', 'f()')])['t'][0])"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                             cwd=os.path.dirname(sandbox.__file__))
+                             cwd=os.path.dirname(os.path.dirname(sandbox.__file__)))
         assert out.stdout.strip() == "ok", out.stderr
         assert not os.path.exists(empty)  # removed, the child group first
         assert os.path.isdir(f"{held}/0") and sleeper.poll() is None  # not empty: kept, and nothing killed

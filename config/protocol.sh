@@ -34,7 +34,7 @@ sample() {  # sample OUT SCRIPT ARGS: NPROC ranks each sample a shard; OUT (and 
 }
 rollout() {  # rollout POLICY TASKS OUT [extra args, which win]
   sample "$3" rollout.py --agent_model "$1" --tasks "$2" --output "$3" --agent_backend "$AGENT_BACKEND" --simulator_url "$SIMULATOR_URL" \
-    --temperature 1.0 --top_p 1.0 --max_new_tokens "$MAX_NEW_TOKENS" --max_turns "$TURNS" --batch_size "$ROLLOUT_BATCH" \
+    --temperature "$TEMPERATURE" --top_p 1.0 --max_new_tokens "$MAX_NEW_TOKENS" --max_turns "$TURNS" --batch_size "$ROLLOUT_BATCH" \
     --seed "$SEED" --task_type "$TASK_TYPE" ${PROMPT_DIR:+--prompt_dir "$PROMPT_DIR"} "${@:4}"; }
 evaluate() { "$PY" evaluate.py --input "$1" --output "${2}_graded.jsonl" --summary "${2}_summary.json" \
   --task_type "$TASK_TYPE" --clip_model "$CLIP_MODEL" "${@:3}"; }  # evaluate IN OUT (OUT_graded.jsonl) [extra]

@@ -1,6 +1,9 @@
-"""ColBench's rules, in one place: the task format, the agent's and the human's prompts, the scripted
-human of the embedded setting, the ground-truth class of a candidate turn, and the graded-trajectory
-format with the critic's trajectory pairs. Every stage reads these; none of it is learning code.
+"""ColBench, the benchmark, usable without the training loop (README, "ColBench as a package"). This module holds its
+rules: the task format (load_tasks), the agent's and the human's prompts (agent_messages, human_messages), the scripted
+human's reply rules, the ground-truth class of a candidate turn, and the graded-trajectory format with the critic's
+trajectory pairs. Beside it: tasks.py (procedural tasks), human.py (the scripted human), oracle.py (a scripted agent
+that reads the hidden information), sandbox.py (the sandboxed unit-test grader), render.py (pages and similarity),
+grade.py (grading many dialogues; the benchmark's tables). None of it is learning code.
 """
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 out of the human prompt (colbench.HUMAN_PROMPT, or a released-format template) and answers the agent's last message
 with at most two hidden lines that share the most words with it (colbench.scripted_reply), or says it doesn't know.
 On procedural pages it quotes the most important hidden design fact a shown draft gets wrong, read from the draft's
-pixels (colbench.draft_reply). simulator.py serves it over HTTP as the stages see an LLM human.
+pixels (colbench.draft_reply). simulator.py serves it over HTTP as the stages see an LLM human. human_requests builds
+the human's chat for many dialogues at once (pages: rendered for it).
 
     ScriptedHuman().chat(colbench.human_messages(task, dialogue))
 """

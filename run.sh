@@ -30,6 +30,7 @@ MC_STATES=${MC_STATES:-$([ "$ABLATIONS" = 1 ] && [ "${MODEL:-embedded}" = embedd
 # the 70B human, so 0 unless set)
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-96}  # longest agent turn
 LR_CRITIC=${LR_CRITIC:-1e-4}          # released: 2e-7
+CRITIC_ARGS=${CRITIC_ARGS:-}          # more train_critic.py flags: a critic variant (the start is reused)
 LR_DPO=${LR_DPO:-6e-7} LR_MTDPO=${LR_MTDPO:-2e-6} LR_RFT=${LR_RFT:-6e-5}  # SWEET-RL, the baselines: one grid
 # chose each (bench/tune_lr.sh, docs/log.md; released: DPO 2e-7, and the paper gives no RFT rate)
 TRAIN_TRAJECTORIES=${TRAIN_TRAJECTORIES:-}  # trajectories in the released schema to train from, instead of train rollouts
@@ -62,7 +63,7 @@ else log "rollouts on train tasks ($SAMPLES per task) with $POLICY"
 
 log "SWEET-RL critic: Bradley-Terry over trajectory pairs, seeing c (train_critic.py)"
 critic() { train "$1" train_critic.py --trajectories "$G" --model "$POLICY" --lr "$LR_CRITIC" --epochs "$CRITIC_EPOCHS" \
-  --task_type "$TASK_TYPE" --seed "$SEED" --train_layers "$TRAIN_LAYERS" "${@:2}"; }
+  --task_type "$TASK_TYPE" --seed "$SEED" --train_layers "$TRAIN_LAYERS" $CRITIC_ARGS "${@:2}"; }
 critic "$RUN/critic"
 ABLATION=(); if [ -z "$TRAIN_TASKS" ] && [ "$ABLATIONS" = 1 ]; then  # the no-information critic, same candidates
   critic "$RUN/critic_no_training_info" --no_training_info

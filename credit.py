@@ -246,8 +246,8 @@ def labelled_states(pairs):
 
 
 def critic_forms(pairs):
-    """{critic name: its form, e.g. 'ranking paper, normalization turn, lr 0.0001'} from the run settings label_turns.py
-    wrote beside PAIRS and each critic's own (train_critic.py's); {} where they are missing."""
+    """{critic name: its form, e.g. 'ranking paper, normalization turn, ridge 0, lr 0.0001'} from the run settings
+    label_turns.py wrote beside PAIRS and each critic's own (train_critic.py's); {} where they are missing."""
     found = [Path(f"{pairs}.run_settings.json"), *common.shard_files(pairs, ".run_settings.json")]
     labelling = [json.loads(f.read_text()) for f in found if f.exists()]
     if not labelling or "critic" not in labelling[0]:
@@ -261,7 +261,8 @@ def critic_forms(pairs):
         if path.exists():
             c = json.loads(path.read_text())
             forms[name] = (f"ranking {c.get('ranking', 'paper')}, normalization {c.get('normalization', 'turn')}, "
-                           f"lr {c.get('lr')}" + (", no training info" if c.get("no_training_info") else ""))
+                           f"ridge {c.get('ridge', 0)}, lr {c.get('lr')}"
+                           + (", no training info" if c.get("no_training_info") else ""))
     return forms
 
 

@@ -11,7 +11,7 @@ The critic is a causal LM initialised from the policy (pi_ref); it reads the tra
 information c (the reference solution) before the dialogue. For agent turn t (the paper, arXiv
 2503.15478, Sec. 4):
     A(o_t, a_t, c) = beta * mean over the turn's tokens of [log pi_critic - log pi_ref]
-    L_critic = -log sigmoid( sum_t A(o_t+, a_t+, c) - sum_t A(o_t-, a_t-, c) )
+    L_critic = -log sigmoid( sum_t A(o_t+, a_t+, c) - sum_t A(o_t-, a_t-, c) )   [ + lambda * mean_t A^2: --ridge ]
 Pairs: per task the best sample must succeed; every lower-reward sample is a rejected partner.
 Logged: loss, acc (share of pairs scored in the right order), margin, and heldout_* the same on the
 pairs of 10% of the tasks, never trained on.
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,9 +45,10 @@ class Args(training.TrainerArgs):
     normalization: str = "turn"
     """turn: sum of per-turn mean log-ratios (paper) | trajectory: one mean over all agent tokens (released code)"""
     ranking: str = "paper"
-    """how label_turns.py ranks a state's candidate turns: paper (equation 3: log pi_critic - log pi_ref, both given
-    c) | released (the release's rank_best_of_n: log pi_critic given c minus the sampler's log-prob given o alone,
-    which adds pi_ref's pointwise mutual information of c and the turn)"""
+    """label_turns.py's ranking: paper (equation 3: log pi_critic - log pi_ref, both given c) | released (the
+    release's: log pi_critic given c - the sampler's log-prob given o alone, adding pi_ref's PMI of c and a turn)"""
+    ridge: float = 0.0
+    """lambda of the identifying term: loss + lambda * mean over a pair's turns of A^2 (0: the paper's equation 2)"""
     no_training_info: bool = False
     """ablation: the critic does not see the ground truth"""
     heldout_fraction: float = 0.1
@@ -69,36 +69,40 @@ def training_info(task, no_training_info=False):
 
 
 # ================================ CRITIC SCORE AND LOSS ========================================
-# A critic variant (another normalisation, a value head, an LLM judge...) is an edit of this block:
-# label_turns.py ranks candidate turns with turn_advantage, so training and labelling stay in step.
-# Inputs are per-turn sums of agent-token log-probs under the critic and under pi_ref (both given
-# c + o_t; with --ranking released, pi_ref given o_t alone when ranking), and each turn's token count,
-# as common.turn_logprobs returns them: [n_turns] each. The released code's two forms are choices here:
-# --normalization trajectory (its critic's score) and --ranking released (its ranking's baseline).
+# The whole critic; main() only calls it. turn_advantage reads A off per-turn log-prob sums (common.turn_logprobs),
+# critic_loss makes a pair's loss from both dialogues' per-turn advantages; labelling and the viewer read A through
+# candidate_advantages and dialogue_advantages below. A ridge, a centring term or another pairing of turns is an edit
+# of critic_loss alone; a value head is this block (A from the head) plus how the critic is loaded (training's
+# trainer_model, models.load_model). The release's two forms: --normalization trajectory, --ranking released.
 def turn_advantage(logp_sum, ref_sum, count, beta):
     """A(o_t, a_t, c) = beta * mean over a_t's tokens of [log pi_critic - log pi_ref]: [n_turns]."""
     return beta * (logp_sum - ref_sum) / count.clamp(min=1)
 
 
-def trajectory_score(logp_sum, ref_sum, count, beta, normalization="turn"):
-    """Score of one trajectory: the sum of its turn advantages (paper), or one mean over all its agent
-    tokens (released code). Turns with no tokens left after truncation add 0."""
+def trajectory_score(advantage, count, normalization="turn"):
+    """S(tau) from its turns' advantages and token counts ([n_turns] each): their sum (paper), or one mean over all
+    its agent tokens (released code: each turn weighted by its tokens). A turn cut off by truncation adds 0."""
     if normalization == "turn":
-        return turn_advantage(logp_sum, ref_sum, count, beta).sum()  # sum_t A(o_t, a_t, c)
-    return beta * (logp_sum.sum() - ref_sum.sum()) / count.sum().clamp(min=1)
+        return advantage.sum()  # sum_t A(o_t, a_t, c)
+    return (advantage * count).sum() / count.sum().clamp(min=1)
 
 
-def critic_loss(score_chosen, score_rejected):
-    """Bradley-Terry over a trajectory pair: L_critic = -log sigmoid(S(tau+) - S(tau-))."""
-    return -F.logsigmoid(score_chosen - score_rejected)
+def critic_loss(chosen, rejected, args):
+    """(loss, margin S(tau+) - S(tau-)) of a pair; chosen, rejected: each dialogue's (A, token count), [n_turns] each.
+    Both dialogues end in one answer, so equation 2 leaves free a constant added to every answer's A (where an answer
+    stands against a question); --ridge lambda adds lambda * mean of A^2 over the pair's turns, which pins it."""
+    margin = trajectory_score(*chosen, args.normalization) - trajectory_score(*rejected, args.normalization)
+    loss = -F.logsigmoid(margin)  # equation 2: L_critic = -log sigmoid(S(tau+) - S(tau-))
+    if args.ridge:
+        loss = loss + args.ridge * torch.cat([chosen[0], rejected[0]]).pow(2).mean()
+    return loss, margin
 
 
 # The same A, as the stages after training read it (label_turns.py ranks candidates by it; view.py colours
 # turns by it). settings: the critic's run_settings.json (beta, no_training_info, ranking).
 def ranking_prefix(task, settings):
     """What pi_ref reads before o_t when ranking: c, as the critic does (paper), or nothing (released: the sampler)."""
-    released = settings.get("ranking", "paper") == "released"
-    return "" if released else training_info(task, settings.get("no_training_info", False))
+    return "" if settings.get("ranking") == "released" else training_info(task, settings.get("no_training_info", False))
 
 
 def candidate_advantages(critic, ref, tok, settings, task, prompt, candidates, max_len, max_tokens=None):
@@ -139,12 +143,12 @@ def main(args):
     common.refuse(args.normalization not in ("turn", "trajectory") and "--normalization: choose turn or trajectory",
                   args.ranking not in ("paper", "released") and "--ranking: choose paper or released",
                   *training.argument_problems(args),
-                  not 0 <= args.heldout_fraction < 1 and "--heldout_fraction must be in [0, 1)")
+                  not 0 <= args.heldout_fraction < 1 and "--heldout_fraction must be in [0, 1)",
+                  args.ridge < 0 and "--ridge must be >= 0")
     rank, world, device, tok = training.setup(args)
     pairs = colbench.trajectory_pairs(colbench.load_graded(args.trajectories), args.task_type)
-    if not pairs:
-        sys.exit(f"{args.trajectories}: no trajectory pairs (need tasks whose best sample succeeds and another "
-                 f"sample with a lower reward; roll out more samples per task)")
+    common.refuse(not pairs and f"{args.trajectories}: no trajectory pairs (need tasks whose best sample succeeds and "
+                  f"another sample with a lower reward; roll out more samples per task)")
     # trajectories used by some pair, tokenised once with c before the dialogue
     trajs = list({id(t): t for pair in pairs for t in pair}.values())
     for t in trajs:
@@ -172,39 +176,35 @@ def main(args):
                                                              lambda t: t["seqs"])):
         t["ref_sum"] = ref_sum
 
-    def scores(m, pair):
-        """S(tau+), S(tau-): the critic's score of each trajectory of a pair (equation 2's argument), in one forward."""
-        return [trajectory_score(logp_sum, torch.tensor(t["ref_sum"], device=logp_sum.device), count, args.beta,
-                                 args.normalization)
-                for t, (logp_sum, count) in zip(pair, common.turn_logprobs(
-                    m, [(t["seqs"], len(t["turns"])) for t in pair]))]
+    pair_forwards = lambda pair: training.seq_forwards(*(t["seqs"] for t in pair))
+
+    def pair_terms(m, pair):
+        """(loss, margin) of one pair (chosen, rejected) from the critic block; both dialogues in one forward."""
+        per_turn = []  # (A [n_turns], token count [n_turns]) of the chosen, then the rejected dialogue
+        for t, (logp_sum, count) in zip(pair, common.turn_logprobs(m, [(t["seqs"], len(t["turns"])) for t in pair])):
+            ref_sum = torch.tensor(t["ref_sum"], device=logp_sum.device)
+            per_turn.append((turn_advantage(logp_sum, ref_sum, count, args.beta), count))
+        return critic_loss(*per_turn, args)
 
     def pair_loss(m, pair):
-        """The loss of one pair (chosen, rejected), and its metrics."""
-        s_c, s_r = scores(m, pair)
-        loss, diff = critic_loss(s_c, s_r), (s_c - s_r).detach()
-        return loss, {"loss": loss.detach(), "acc": (diff > 0).float(), "margin": diff,
+        loss, margin = pair_terms(m, pair)
+        return loss, {"loss": loss.detach(), "acc": (margin > 0).float(), "margin": margin.detach(),
                       "tokens": sum(len(s[0]) for t in pair for s in t["seqs"])}  # tensors: no host sync
-
-    def pair_forwards(pair):
-        return training.seq_forwards(*(t["seqs"] for t in pair))
 
     def pair_metrics(name, eval_pairs):
         """loss, acc and margin of the current critic on eval_pairs, without grad."""
         if not eval_pairs:
             return {}
         critic.eval()
-        def margin(m, pair):
-            s_c, s_r = scores(m, pair)
-            return (s_c - s_r).item()
-        margins = training.precompute(critic, eval_pairs, margin, rank, world, pair_forwards, f"{name} pairs")
-        margins = torch.tensor(margins)
+        terms = lambda m, pair: [v.item() for v in pair_terms(m, pair)]
+        losses, margins = torch.tensor(training.precompute(critic, eval_pairs, terms, rank, world, pair_forwards,
+                                                           f"{name} pairs")).T
         critic.train()
-        return {f"{name}_loss": critic_loss(margins, 0).mean().item(),
+        return {f"{name}_loss": losses.mean().item(),
                 f"{name}_acc": (margins > 0).float().mean().item(), f"{name}_margin": margins.mean().item()}
 
     def heldout(step):  # every HELDOUT_EVERY steps: a fixed sample of the held-out pairs
-        if not (step % HELDOUT_EVERY == 0 and held_pairs):
+        if step % HELDOUT_EVERY or not held_pairs:
             return {}
         t1 = time.time()
         return {**pair_metrics("heldout", held_sample), "heldout_seconds": time.time() - t1}

@@ -42,8 +42,8 @@ def kill_tree(pid):
 
 
 @pytest.mark.parametrize("script,extra", [  # the whole critic: test_ranks_with_uneven_work_stay_in_lock_step
-    # the top layer alone
-    ("train_critic.py", ["--epochs", "2", "--heldout_fraction", "0", "--train_layers", "1"]),
+    # the top layer alone, with the ridge
+    ("train_critic.py", ["--epochs", "2", "--heldout_fraction", "0", "--train_layers", "1", "--ridge", "1"]),
     ("train_dpo.py", ["--mode", "trajectory", "--epochs", "2"]),
 ])
 def test_two_processes_match_one(tiny_model, tmp_path, script, extra):

@@ -1,4 +1,5 @@
 """Per-turn log-probs, the critic objective, turn labelling and DPO, checked against naive computations."""
+import argparse
 import json
 import math
 import random
@@ -103,13 +104,31 @@ def test_critic_score_and_loss_by_hand(tok_model):
             s, n = common.turn_logprobs(model, [(seqs, len(turns))])[0]
         ref = s - torch.tensor([0.3, 0.7][:len(turns)])  # a made-up pi_ref, 0.3 / 0.7 nats lower per turn
         for norm in ("turn", "trajectory"):
-            scores[name, norm] = train_critic.trajectory_score(s, ref, n, 0.1, norm).item()
+            scores[name, norm] = train_critic.trajectory_score(train_critic.turn_advantage(s, ref, n, 0.1), n, norm).item()
         # documented values: turn = beta * sum_t (delta_t / n_t); trajectory = beta * sum_t delta_t / sum_t n_t
         deltas = [0.3, 0.7][:len(turns)]
         assert scores[name, "turn"] == pytest.approx(0.1 * sum(d / k for d, k in zip(deltas, n.tolist())), abs=1e-6)
         assert scores[name, "trajectory"] == pytest.approx(0.1 * sum(deltas) / n.sum().item(), abs=1e-6)
-    loss = train_critic.critic_loss(torch.tensor(scores["c", "turn"]), torch.tensor(scores["r", "turn"])).item()
-    assert loss == pytest.approx(-math.log(1 / (1 + math.exp(-(scores["c", "turn"] - scores["r", "turn"])))), rel=1e-6)
+
+
+def test_critic_loss_by_hand_and_what_the_ridge_identifies():
+    """critic_loss from the per-turn advantages of a pair: equation 2 (both normalisations) and the ridge by hand; a
+    constant added to both dialogues' answer turn (the last) moves no equation-2 loss, the ridge's loss moves."""
+    chosen = (torch.tensor([0.2, -0.1]), torch.tensor([3, 5]))  # (A [n_turns], token count [n_turns])
+    rejected = (torch.tensor([-0.3]), torch.tensor([4]))
+    args = lambda norm="turn", ridge=0.0: argparse.Namespace(normalization=norm, ridge=ridge)
+    bt = lambda margin: -math.log(1 / (1 + math.exp(-margin)))
+    loss, margin = train_critic.critic_loss(chosen, rejected, args())
+    assert margin.item() == pytest.approx(0.1 + 0.3) and loss.item() == pytest.approx(bt(0.4), rel=1e-6)
+    loss, margin = train_critic.critic_loss(chosen, rejected, args("trajectory"))
+    assert margin.item() == pytest.approx((0.6 - 0.5) / 8 + 0.3, rel=1e-6) and loss.item() == pytest.approx(bt(margin.item()))
+    loss, _ = train_critic.critic_loss(chosen, rejected, args(ridge=10.0))
+    assert loss.item() == pytest.approx(bt(0.4) + 10.0 * (0.04 + 0.01 + 0.09) / 3, rel=1e-6)
+    shifted = lambda a, k: (a[0] + torch.nn.functional.one_hot(torch.tensor(len(a[0]) - 1), len(a[0])) * k, a[1])
+    for ridge in (0.0, 10.0):
+        before = train_critic.critic_loss(chosen, rejected, args(ridge=ridge))[0].item()
+        after = train_critic.critic_loss(shifted(chosen, 1.0), shifted(rejected, 1.0), args(ridge=ridge))[0].item()
+        assert (after == pytest.approx(before, abs=1e-6)) == (ridge == 0)
 
 
 def test_only_agent_tokens_count(tok_model):
@@ -145,7 +164,8 @@ def test_label_turns_advantage_equals_critic_score(tok_model, tiny_model, tmp_pa
             s, n = common.turn_logprobs(critic, [(seqs, 1)])[0]
             r, _ = common.turn_logprobs(ref, [(seqs, 1)])[0]
             for norm in ("turn", "trajectory"):
-                assert adv == pytest.approx(train_critic.trajectory_score(s, r, n, 0.3, norm).item(), abs=1e-5)
+                assert adv == pytest.approx(train_critic.trajectory_score(train_critic.turn_advantage(s, r, n, 0.3), n,
+                                                                          norm).item(), abs=1e-5)
     assert max(map(abs, labelled.tolist())) > 1e-3  # a real difference, not two zeros
 
 
@@ -169,7 +189,7 @@ def test_labelling_and_the_viewer_score_through_the_critic_block(tok_model, tiny
                 traj = {"task": TASK, "dialogue_history": [{"role": "assistant", "content": c, "input": prompt, "output": c}]}
                 seqs = common.tokenize_turns(tok, [(prompt, c)], train_critic.training_info(TASK, blind))
                 (s, n), (r, _) = common.turn_logprobs(critic, [(seqs, 1)])[0], common.turn_logprobs(ref, [(seqs, 1)])[0]
-                assert adv == pytest.approx(train_critic.trajectory_score(s, r, n, 0.3).item(), abs=1e-5)
+                assert adv == pytest.approx(train_critic.turn_advantage(s, r, n, 0.3).sum().item(), abs=1e-5)
                 assert adv == pytest.approx(train_critic.dialogue_advantages(critic, ref, tok, settings, traj, 4096).item(),
                                             abs=1e-5)
     assert max(abs(a - b) for a, b in zip(got[False], got[True])) > 1e-4  # c changes the advantage
@@ -298,10 +318,10 @@ def test_critic_learns_a_separable_toy_set(tiny_model, tmp_path):
     ckpt_log = read_jsonl(tmp_path / "critic_ckpt" / "log.jsonl")
     assert ckpt_log[0]["loss"] == pytest.approx(log[0]["loss"], abs=1e-6)
     assert ckpt_log[0]["grad_norm"] == pytest.approx(log[0]["grad_norm"], rel=1e-4)
-    # only the top layer trains: a run that still learns
+    # only the top layer trains, with the ridge: a run that still learns
     run_script("train_critic.py", "--trajectories", tmp_path / "g.jsonl", "--model", tiny_model, "--output_dir",
                tmp_path / "top", "--lr", "3e-3", "--epochs", "3", "--batch_size", "4", "--heldout_fraction", "0.2",
-               "--train_layers", "1")
+               "--train_layers", "1", "--ridge", "1")
     top = read_jsonl(tmp_path / "top" / "log.jsonl")
     assert top[-1]["loss"] < top[0]["loss"]
 

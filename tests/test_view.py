@@ -54,7 +54,7 @@ def test_report_in_a_real_browser(tiny_model, tmp_path):
         assert len(colours) >= 2 and "rgb(255, 255, 255)" not in colours  # coloured by advantage, not all alike
         text = d.find_element("css selector", "body").text
         assert "Double it." in text and "chosen #1" in text and "rejected #1" in text and "good" in text
-        assert ("turn credit of sweet (ranking released, normalization turn, lr 0.0001): good question > bad answer "
+        assert ("turn credit of sweet (ranking released, normalization turn, ridge 0, lr 0.0001): good question > bad answer "
                 "1.00 (1 pairs)") in text and "state-blind best order question > answer 1.00" in text
         d.find_element("css selector", "#succ").send_keys("success")  # the outcome filter hides the failure
         assert d.execute_script("return [...document.querySelectorAll('.dlg')].filter(x => x.style.display != 'none').length") == 1

@@ -7,11 +7,11 @@ Writes: an HF checkpoint of the critic in --output_dir, run_settings.json (label
     python train_critic.py --trajectories runs/train_graded.jsonl --model embedded --output_dir runs/critic
     torchrun --nproc_per_node 8 train_critic.py ... --grad_ckpt       # FSDP2, same arguments
 
-The critic is a causal LM initialised from the policy (pi_ref); it reads the training-time
-information c (the reference solution) before the dialogue. For agent turn t (the paper, arXiv
-2503.15478, Sec. 4):
+The critic, a causal LM initialised from the policy (pi_ref), reads the training-time information c (the
+reference solution) before the dialogue. For agent turn t (the paper, arXiv 2503.15478, Sec. 4):
     A(o_t, a_t, c) = beta * mean over the turn's tokens of [log pi_critic - log pi_ref]
-    L_critic = -log sigmoid( sum_t A(o_t+, a_t+, c) - sum_t A(o_t-, a_t-, c) )   [ + lambda * mean_t A^2: --ridge ]
+    L_critic = -log sigmoid( sum_t A(o_t+, a_t+, c) - sum_t A(o_t-, a_t-, c) )  + lambda * mean_t A^2
+Deviation: the second term (--ridge, 3 by default; 0 is the paper's form) pins where answers stand against questions.
 Pairs: per task the best sample must succeed; every lower-reward sample is a rejected partner.
 Logged: loss, acc (share of pairs scored in the right order), margin, and heldout_* the same on the
 pairs of 10% of the tasks, never trained on.
@@ -47,8 +47,8 @@ class Args(training.TrainerArgs):
     ranking: str = "paper"
     """label_turns.py's ranking: paper (equation 3: log pi_critic - log pi_ref, both given c) | released (the
     release's: log pi_critic given c - the sampler's log-prob given o alone, adding pi_ref's PMI of c and a turn)"""
-    ridge: float = 0.0
-    """lambda of the identifying term: loss + lambda * mean over a pair's turns of A^2 (0: the paper's equation 2)"""
+    ridge: float = 3.0
+    """lambda of the identifying term (ours): + lambda * mean over a pair's turns of A^2 (0: the paper's equation 2)"""
     no_training_info: bool = False
     """ablation: the critic does not see the ground truth"""
     heldout_fraction: float = 0.1

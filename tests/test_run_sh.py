@@ -34,7 +34,7 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
     env = {**os.environ, "PY": sys.executable, "RUN": str(tmp_path / "run"), "MODEL": tiny_model, "N_WARMUP": "0",
            "TRAIN_TRAJECTORIES": str(oracle_trajectories(tmp_path)), "N_TEST": "2", "N_VAL": "2", "CANDIDATES": "2",
            "DATA_FRACTION": "0.2", "MAX_NEW_TOKENS": "8", "BASELINES": "1", "LR_CRITIC": "1e-3", "LR_DPO": "1e-3", "LR_MTDPO": "2e-3",
-           "LR_RFT": "3e-3", "MC_STATES": "1",
+           "LR_RFT": "3e-3", "MC_STATES": "1", "CRITIC_ARGS": "--ridge 0.5",
            "ABLATIONS": "1", "OMP_NUM_THREADS": "1"}
     p = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
@@ -95,6 +95,7 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
     assert set(report["forms"]) == {"sweet", "no_training_info"} and "no training info" in report["forms"]["no_training_info"]
     assert report["forms"]["sweet"].startswith("ranking ") and f"  sweet ({report['forms']['sweet']}): " in table
     settings = json.loads((run / "critic" / "run_settings.json").read_text())
+    assert settings["ridge"] == 0.5 and "ridge 0.5" in report["forms"]["no_training_info"]  # CRITIC_ARGS, both critics
     assert settings["epochs"] == 4 and settings["train_layers"] == 0 and settings["grad_ckpt"] is False  # a real model:
     assert settings["schedule"] == "released"  # the released recipe
     assert "run directory" in p.stdout and "  N_TEST=2\n" in p.stdout  # the settings in use are printed
@@ -106,6 +107,15 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
     p2 = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p2.returncode == 0 and "0 to run" in p2.stderr and "reusing" in p2.stdout
     assert "Traceback" not in p2.stderr
+    # a critic variant on the run's rollouts, trained as its critic was, scored on its candidates beside it
+    p4 = subprocess.run(["bash", "bench/critic_variants.sh", str(run), "eq2=--ridge 0"], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=900)
+    assert p4.returncode == 0, p4.stdout[-4000:] + p4.stderr[-4000:]
+    variant = json.loads((run / "critic_eq2" / "run_settings.json").read_text())
+    assert variant["ridge"] == 0 and all(variant[k] == settings[k] for k in ("model", "lr", "epochs", "seed", "schedule"))
+    assert "critic_eq2/ref_logprobs, 0 to compute" in p4.stdout  # pi_ref's log-probs the run's critic kept
+    rescored = json.loads((run / "rescore" / "report.json").read_text())
+    assert {"sweet/paper", "sweet/released", "eq2/paper", "eq2/released", "pmi"} <= set(rescored["exact_accuracy"])
     # the tuning procedure: the draw's stages up to the labels reused, every method trained and selected again at
     # another rate, never tested (N_TEST=0)
     p3 = subprocess.run(["bash", "bench/tune_lr.sh", str(run), "2e-3"], cwd=ROOT, env=env, capture_output=True,

@@ -154,7 +154,7 @@ assert model.lm_head.weight is model.model.embed_tokens.weight  # tied embedding
 assert [n for n, p in model.named_parameters() if p.requires_grad][-1] == "model.norm.weight"  # --train_layers 1
 ids = torch.tensor([[1, 5, 9, 12]])
 assert torch.allclose(model(input_ids=ids).logits, saved(input_ids=ids).logits, atol=1e-6)
-print("rank", rank, "ok", flush=True)
+sys.stdout.write(f"rank {rank} ok\\n"); sys.stdout.flush()  # one write: the two ranks' lines cannot interleave
 dist.destroy_process_group()
 """
 

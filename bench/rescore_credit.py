@@ -100,16 +100,15 @@ def main():
                 groups.setdefault(f"{cls} {colbench.turn_kind(s['candidates'][i])}", []).append(lr[i])
         report["mean_log_ratio"][name] = {g: round(sum(v) / len(v), 3) for g, v in sorted(groups.items())}
     common.write_text(out / "report.json", json.dumps(report, indent=2))
-    width = max(len(n) for n in names)
+    width, f3 = max(len(n) for n in names), lambda v: "-" if v is None else f"{v:.3f}"
     print(f"{len(states)} states; class pairs by kind (pairs), exact answer pairs ({report['exact_pairs']}); "
           + (credit.kind_order_line(acc["kind_order"]) or "no class pairs"))
     print(" " * width + " | " + " | ".join(f"{k} ({acc['by_kind'][names[0]].get(k, [0, 0])[1]})" for k in KINDS)
           + " | exact")
     for n in names:
         row = [acc["by_kind"][n].get(k, [None])[0] for k in KINDS]
-        print(f"{n:<{width}} | " + " | ".join(f"{v:.3f}".center(len(k) + 6) if v is not None else "-"
-                                              for v, k in zip(row, KINDS))
-              + " | " + (f"{exact['credit_accuracy'][n]:.3f}" if exact["credit_accuracy"][n] is not None else "-"))
+        print(f"{n:<{width}} | " + " | ".join(f3(v).center(len(k) + 6) for v, k in zip(row, KINDS))
+              + f" | {f3(exact['credit_accuracy'][n])}")
     for name, g in report["mean_log_ratio"].items():
         print(f"mean per-token log-ratio, {name}: " + ", ".join(f"{k} {v:+.2f}" for k, v in g.items()))
 

@@ -131,7 +131,18 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
     assert not list(tuned.glob("test_sweet_rl*")) and not (tuned / "results.json").exists()
     table = p3.stdout[p3.stdout.index("(validation success of the kept policy)"):].splitlines()
     assert [line.split()[0] for line in table[1:4]] == ["1e-03", "2e-03", "3e-03"]  # each method at its run's rate
-    assert len(table[1].split()) == 2 and len(table[2].split()) == 4 and len(table[3].split()) == 2
+    assert [line.split()[1] for line in table[1:4]] == ["0.01"] * 3  # the paper's NLL weight, both DPO methods
+    assert len(table[1].split()) == 3 and len(table[2].split()) == 5 and len(table[3].split()) == 3
+    # the grid's other NLL weight, SWEET-RL alone: its own directory, its row beside the paper's weight's
+    p5 = subprocess.run(["bash", "bench/tune_lr.sh", str(run), "2e-3"], cwd=ROOT, env={**env, "NLL_COEF": "1",
+                        "BASELINES": "0"}, capture_output=True, text=True, timeout=900)
+    assert p5.returncode == 0, p5.stdout[-4000:] + p5.stderr[-4000:]
+    sel = json.loads((tmp_path / "run_lr2e-3_nll1" / "select_sweet.json").read_text())
+    assert sel["methods"]["sweet_end"]["training"]["nll_coef"] == 1 and "  NLL_COEF=1\n" in p5.stdout
+    assert not (tmp_path / "run_lr2e-3_nll1" / "select_mtdpo.json").exists()
+    table = p5.stdout[p5.stdout.index("(validation success of the kept policy)"):].splitlines()
+    assert [line.split()[:2] for line in table[1:5]] == [["1e-03", "0.01"], ["2e-03", "0.01"], ["2e-03", "1"],
+                                                         ["3e-03", "0.01"]] and len(table[3].split()) == 3
 
 
 def test_run_sh_html_loop(tiny_model, tmp_path):

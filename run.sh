@@ -31,9 +31,9 @@ MC_STATES=${MC_STATES:-$([ "$ABLATIONS" = 1 ] && [ "${MODEL:-embedded}" = embedd
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-96}  # longest agent turn
 LR_CRITIC=${LR_CRITIC:-1e-4}          # released: 2e-7
 CRITIC_ARGS=${CRITIC_ARGS:-}          # more train_critic.py flags: a critic variant (the start is reused)
-LR_DPO=${LR_DPO:-6e-7} LR_MTDPO=${LR_MTDPO:-2e-6} LR_RFT=${LR_RFT:-6e-5}  # SWEET-RL, the baselines: one grid
-# chose each (bench/tune_lr.sh, docs/log.md; released: DPO 2e-7, and the paper gives no RFT rate)
-NLL_COEF=${NLL_COEF:-0.01}            # lambda of both DPO methods (the paper's); the tuning grid also tries 1
+LR_DPO=${LR_DPO:-2e-5} LR_MTDPO=${LR_MTDPO:-2e-6} LR_RFT=${LR_RFT:-6e-5}  # SWEET-RL, the baselines; and each DPO
+NLL_DPO=${NLL_DPO:-1} NLL_MTDPO=${NLL_MTDPO:-0.01}  # method's NLL weight (paper: 0.01): one grid chose each
+# (bench/tune_lr.sh, docs/log.md; released: DPO 2e-7, and the paper gives no RFT rate)
 TRAIN_TRAJECTORIES=${TRAIN_TRAJECTORIES:-}  # trajectories in the released schema to train from, instead of train rollouts
 REPORT_DIALOGUES=40                   # dialogues of each run in the viewer
 PY=${PY:-}                            # a python with the requirements (empty: setup.sh makes .venv)
@@ -89,10 +89,10 @@ STEPS=$(( ($(wc -l < "$RUN/pairs.jsonl") + BATCH - 1) / BATCH ))  # every method
 SNAP=$([ "$N_VAL" -gt 0 ] && echo "--snapshots $SNAPSHOTS" || true)  # policies at 1/3 and 2/3 of the steps, for best_of
 dpo() { train "$RUN/policy_$1" train_dpo.py --model "$POLICY" --lr "$2" --seed "$SEED" --task_type "$TASK_TYPE" \
   --train_layers "$TRAIN_LAYERS" --steps "$STEPS" --batch_size "$BATCH" $SNAP "${@:3}"; best_of "$1" "$RUN/policy_$1"; }
-dpo sweet "$LR_DPO" --mode turn --pairs "$RUN/pairs.jsonl" --nll_coef "$NLL_COEF"; METHODS="zero_shot:$POLICY sweet_rl:$BEST"
+dpo sweet "$LR_DPO" --mode turn --pairs "$RUN/pairs.jsonl" --nll_coef "$NLL_DPO"; METHODS="zero_shot:$POLICY sweet_rl:$BEST"
 if [ "$BASELINES" = 1 ]; then
   log "baselines: multi-turn DPO and rejection fine-tuning (same start, train data, $STEPS steps, selection)"
-  dpo mtdpo "$LR_MTDPO" --mode trajectory --trajectories "$G" --nll_coef "$NLL_COEF"; METHODS="$METHODS multi_turn_dpo:$BEST"
+  dpo mtdpo "$LR_MTDPO" --mode trajectory --trajectories "$G" --nll_coef "$NLL_MTDPO"; METHODS="$METHODS multi_turn_dpo:$BEST"
   dpo rft "$LR_RFT" --mode sft --trajectories "$G"; METHODS="$METHODS rejection_ft:$BEST"
 fi
 if [ "$N_TEST" = 0 ] && [ -z "$TEST_TASKS" ]; then  # a tuning draw (bench/tune_lr.sh): trained, selected, never tested

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The fair protocol's one tuning procedure: every method gets the same learning-rate grid on the validation tasks
 # of a tuning draw that is never reported (N_TEST=0: no test rollouts), at beta 0.1 and each NLL weight of the grid
-# (NLL_COEF: the paper's 0.01, and 1; both DPO methods get the same). The draw is a finished `N_TEST=0 BASELINES=1
+# (NLL: the paper's 0.01, and 1; both DPO methods get the same). The draw is a finished `N_TEST=0 BASELINES=1
 # bash run.sh` run directory (BASELINES=0: SWEET-RL's grid alone); for each other rate this copies its stages up to
 # the turn labels and the reference log-probs (nothing is redone) and trains and selects every method again at that
 # rate. Each method's score at a rate is its validation success at the snapshot its selection kept; pick per method
 # the rate and weight with the highest (a tie: the lower rate, the paper's weight) and record it in docs/log.md.
-#   N_TEST=0 BASELINES=1 SEED=10 LR_DPO=6e-6 LR_MTDPO=6e-6 LR_RFT=6e-6 RUN=runs/tune bash run.sh  # a rate
+#   N_TEST=0 BASELINES=1 SEED=10 LR_DPO=6e-6 LR_MTDPO=6e-6 LR_RFT=6e-6 NLL_DPO=0.01 NLL_MTDPO=0.01 \
+#     RUN=runs/tune bash run.sh                                   # a rate, at the paper's NLL weight
 #   bash bench/tune_lr.sh runs/tune 6e-7 2e-6 2e-5 6e-5          # the same draw at the grid's other rates
-#   NLL_COEF=1 bash bench/tune_lr.sh runs/tune 6e-7 2e-6 6e-6 2e-5 6e-5   # and at the other NLL weight
+#   NLL=1 bash bench/tune_lr.sh runs/tune 6e-7 2e-6 6e-6 2e-5 6e-5   # and at the other NLL weight
 set -euo pipefail
 cd "$(dirname "$0")/.."
 draw=${1:?usage: bash bench/tune_lr.sh RUN_DIR LR [LR ...]}; shift
@@ -16,7 +17,7 @@ draw=${1:?usage: bash bench/tune_lr.sh RUN_DIR LR [LR ...]}; shift
   exit 1; }
 seed=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["seed"])' "$draw/critic/run_settings.json")
 for lr in "$@"; do
-  out=${draw%/}_lr$lr$([ "${NLL_COEF:-0.01}" = 0.01 ] || echo "_nll$NLL_COEF")
+  out=${draw%/}_lr$lr$([ "${NLL:-0.01}" = 0.01 ] || echo "_nll$NLL")
   if [ ! -d "$out" ]; then mkdir -p "$out"
     for f in "$draw"/*; do case $(basename "$f") in  # the draw's own stages up to the labels; not its updates
       policy_*|val_*|select_*|results.*|report.html|test_sweet_rl*|test_multi_turn_dpo*|test_rejection_ft*) ;;
@@ -24,7 +25,8 @@ for lr in "$@"; do
     for m in sweet mtdpo; do [ ! -d "$draw/policy_$m/ref_logprobs" ] || { mkdir -p "$out/policy_$m"
       cp -a "$draw/policy_$m/ref_logprobs" "$out/policy_$m/"; }; done
   fi  # (the reference log-probs are the start's, kept by content: the same at every rate)
-  RUN=$out SEED=$seed LR_DPO=$lr LR_MTDPO=$lr LR_RFT=$lr BASELINES=${BASELINES:-1} N_TEST=0 bash run.sh
+  RUN=$out SEED=$seed LR_DPO=$lr LR_MTDPO=$lr LR_RFT=$lr NLL_DPO=${NLL:-0.01} NLL_MTDPO=${NLL:-0.01} BASELINES=${BASELINES:-1} N_TEST=0 \
+    bash run.sh
 done
 python3 - "$draw" <<'EOF'
 import glob, json, os, sys

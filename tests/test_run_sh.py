@@ -116,6 +116,13 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
     assert "critic_eq2/ref_logprobs, 0 to compute" in p4.stdout  # pi_ref's log-probs the run's critic kept
     rescored = json.loads((run / "rescore" / "report.json").read_text())
     assert {"sweet/paper", "sweet/released", "eq2/paper", "eq2/released", "pmi"} <= set(rescored["exact_accuracy"])
+    # how far an update moved from the start, on its own validation dialogues: 0 for the start itself
+    kl = lambda pol: json.loads(subprocess.run(
+        [sys.executable, "bench/policy_kl.py", "--policy", pol, "--start", tiny_model, "--trajectories",
+         str(run / "val_sweet_end.jsonl")], cwd=ROOT, env=env, capture_output=True, text=True, check=True,
+        timeout=300).stdout.splitlines()[-1])
+    moved, still = kl(str(run / "policy_sweet")), kl(tiny_model)
+    assert still["kl_per_turn"] == 0 and moved["kl_per_turn"] != 0 and moved["dialogues"] == 4  # 2 tasks x 2
     # the tuning procedure: the draw's stages up to the labels reused, every method trained and selected again at
     # another rate, never tested (N_TEST=0)
     p3 = subprocess.run(["bash", "bench/tune_lr.sh", str(run), "2e-3"], cwd=ROOT, env=env, capture_output=True,
@@ -131,17 +138,17 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
     assert not list(tuned.glob("test_sweet_rl*")) and not (tuned / "results.json").exists()
     table = p3.stdout[p3.stdout.index("(validation success of the kept policy)"):].splitlines()
     assert [line.split()[0] for line in table[1:4]] == ["1e-03", "2e-03", "3e-03"]  # each method at its run's rate
-    assert [line.split()[1] for line in table[1:4]] == ["0.01"] * 3  # the paper's NLL weight, both DPO methods
+    assert [line.split()[1] for line in table[1:4]] == ["1", "0.01", "0.01"]  # the draw's SWEET-RL: run.sh's NLL
     assert len(table[1].split()) == 3 and len(table[2].split()) == 5 and len(table[3].split()) == 3
     # the grid's other NLL weight, SWEET-RL alone: its own directory, its row beside the paper's weight's
-    p5 = subprocess.run(["bash", "bench/tune_lr.sh", str(run), "2e-3"], cwd=ROOT, env={**env, "NLL_COEF": "1",
+    p5 = subprocess.run(["bash", "bench/tune_lr.sh", str(run), "2e-3"], cwd=ROOT, env={**env, "NLL": "1",
                         "BASELINES": "0"}, capture_output=True, text=True, timeout=900)
     assert p5.returncode == 0, p5.stdout[-4000:] + p5.stderr[-4000:]
     sel = json.loads((tmp_path / "run_lr2e-3_nll1" / "select_sweet.json").read_text())
-    assert sel["methods"]["sweet_end"]["training"]["nll_coef"] == 1 and "  NLL_COEF=1\n" in p5.stdout
+    assert sel["methods"]["sweet_end"]["training"]["nll_coef"] == 1 and "  NLL_DPO=1\n" in p5.stdout
     assert not (tmp_path / "run_lr2e-3_nll1" / "select_mtdpo.json").exists()
     table = p5.stdout[p5.stdout.index("(validation success of the kept policy)"):].splitlines()
-    assert [line.split()[:2] for line in table[1:5]] == [["1e-03", "0.01"], ["2e-03", "0.01"], ["2e-03", "1"],
+    assert [line.split()[:2] for line in table[1:5]] == [["1e-03", "1"], ["2e-03", "0.01"], ["2e-03", "1"],
                                                          ["3e-03", "0.01"]] and len(table[3].split()) == 3
 
 
@@ -211,7 +218,8 @@ def test_run_sh_on_colbench_files_uses_released_settings(tiny_model, tmp_path):
            "PROMPT_DIR": str(prompts), "TRAIN_TRAJECTORIES": str(trajectories)}
     p = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
-    for setting in ("N_VAL=0", "N_WARMUP=0", "SAMPLES=3", "LR_DPO=2e-7", "LR_MTDPO=2e-7", "LR_RFT=2e-7", "MAX_NEW_TOKENS=8", "N_TEST=4"):  # what is set wins
+    for setting in ("N_VAL=0", "N_WARMUP=0", "SAMPLES=3", "LR_DPO=2e-7", "NLL_DPO=0.01", "LR_MTDPO=2e-7", "LR_RFT=2e-7", "MAX_NEW_TOKENS=8",
+                    "N_TEST=4"):  # what is set wins (at scale: the released recipe, the paper's NLL weight)
         assert f"  {setting}\n" in p.stdout, setting
     run = tmp_path / "run"
     assert len(read(run / "train_tasks.jsonl")) == 104 and len(read(run / "test_tasks.jsonl")) == 4  # whole file; first N_TEST

@@ -15,9 +15,10 @@ cd "$(dirname "$0")/.."
 draw=${1:?usage: bash bench/tune_lr.sh RUN_DIR LR [LR ...]}; shift
 [ -f "$draw/select_sweet.json" ] || { echo "tune_lr.sh: $draw has no select_sweet.json: finish its N_TEST=0 run.sh first" >&2
   exit 1; }
+nll=${NLL:-0.01}  # the grid's NLL weight, both DPO methods
 seed=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["seed"])' "$draw/critic/run_settings.json")
 for lr in "$@"; do
-  out=${draw%/}_lr$lr$([ "${NLL:-0.01}" = 0.01 ] || echo "_nll$NLL")
+  out=${draw%/}_lr$lr$([ "$nll" = 0.01 ] || echo "_nll$nll")
   if [ ! -d "$out" ]; then mkdir -p "$out"
     for f in "$draw"/*; do case $(basename "$f") in  # the draw's own stages up to the labels; not its updates
       policy_*|val_*|select_*|results.*|report.html|test_sweet_rl*|test_multi_turn_dpo*|test_rejection_ft*) ;;
@@ -25,7 +26,7 @@ for lr in "$@"; do
     for m in sweet mtdpo; do [ ! -d "$draw/policy_$m/ref_logprobs" ] || { mkdir -p "$out/policy_$m"
       cp -a "$draw/policy_$m/ref_logprobs" "$out/policy_$m/"; }; done
   fi  # (the reference log-probs are the start's, kept by content: the same at every rate)
-  RUN=$out SEED=$seed LR_DPO=$lr LR_MTDPO=$lr LR_RFT=$lr NLL_DPO=${NLL:-0.01} NLL_MTDPO=${NLL:-0.01} BASELINES=${BASELINES:-1} N_TEST=0 \
+  RUN=$out SEED=$seed LR_DPO=$lr LR_MTDPO=$lr LR_RFT=$lr NLL_DPO=$nll NLL_MTDPO=$nll BASELINES=${BASELINES:-1} N_TEST=0 \
     bash run.sh
 done
 python3 - "$draw" <<'EOF'

@@ -9,7 +9,8 @@
 #   N_TEST=0 BASELINES=1 SEED=10 LR_DPO=6e-6 LR_MTDPO=6e-6 LR_RFT=6e-6 NLL_DPO=0.01 NLL_MTDPO=0.01 \
 #     RUN=runs/tune bash run.sh                                   # a rate, at the paper's NLL weight
 #   bash bench/tune_lr.sh runs/tune 6e-7 2e-6 2e-5 6e-5          # the same draw at the grid's other rates
-#   NLL=1 bash bench/tune_lr.sh runs/tune 6e-7 2e-6 6e-6 2e-5 6e-5   # and at the other NLL weight
+#   NLL=1 bash bench/tune_lr.sh runs/tune 6e-7 2e-6 6e-6 2e-5 6e-5   # and at the other NLL weight (RFT, which has
+#                                          # no NLL term, is then the paper's weight's cell at that rate, linked)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 draw=${1:?usage: bash bench/tune_lr.sh RUN_DIR LR [LR ...]}; shift
@@ -26,6 +27,10 @@ for lr in "$@"; do
     for m in sweet mtdpo; do [ ! -d "$draw/policy_$m/ref_logprobs" ] || { mkdir -p "$out/policy_$m"
       cp -a "$draw/policy_$m/ref_logprobs" "$out/policy_$m/"; }; done
   fi  # (the reference log-probs are the start's, kept by content: the same at every rate)
+  for c in "$draw" "${draw%/}_lr$lr"; do  # RFT has no NLL term: at the other weight its paper's-weight cell stands
+    if [ "$nll" != 0.01 ] && [ ! -e "$out/policy_rft" ] && [ -f "$c/select_rft.json" ] && python3 -c 'import json, sys
+sys.exit(json.load(open(sys.argv[1]))["lr"] != float(sys.argv[2]))' "$c/policy_rft/run_settings.json" "$lr"; then
+      ln -s "$(cd "$c" && pwd)/policy_rft" "$out/policy_rft"; cp -a "$c"/val_rft_* "$out/"; fi; done
   RUN=$out SEED=$seed LR_DPO=$lr LR_MTDPO=$lr LR_RFT=$lr NLL_DPO=$nll NLL_MTDPO=$nll BASELINES=${BASELINES:-1} N_TEST=0 \
     bash run.sh
 done

@@ -150,6 +150,19 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
     table = p5.stdout[p5.stdout.index("(validation success of the kept policy)"):].splitlines()
     assert [line.split()[:2] for line in table[1:5]] == [["1e-03", "1"], ["2e-03", "0.01"], ["2e-03", "1"],
                                                          ["3e-03", "0.01"]] and len(table[3].split()) == 3
+    # and its baselines: multi-turn DPO trained at the other weight, RFT (no NLL term) the paper's weight's cell
+    p6 = subprocess.run(["bash", "bench/tune_lr.sh", str(run), "2e-3"], cwd=ROOT, env={**env, "NLL": "1"},
+                        capture_output=True, text=True, timeout=900)
+    assert p6.returncode == 0, p6.stdout[-4000:] + p6.stderr[-4000:]
+    nll1 = tmp_path / "run_lr2e-3_nll1"
+    sel = json.loads((nll1 / "select_mtdpo.json").read_text())
+    assert sel["methods"]["mtdpo_end"]["training"]["nll_coef"] == 1 and "  NLL_MTDPO=1\n" in p6.stdout
+    assert (nll1 / "policy_rft").resolve() == (tuned / "policy_rft").resolve() and f"reusing {nll1}/policy_rft" in p6.stdout
+    rft = [{k: v["success"] for k, v in json.loads((d / "select_rft.json").read_text())["methods"].items()}
+           for d in (nll1, tuned)]
+    assert rft[0] == rft[1] and "reusing " + str(nll1 / "val_rft_end_graded.jsonl") in p6.stdout  # graded once
+    table = p6.stdout[p6.stdout.index("(validation success of the kept policy)"):].splitlines()
+    assert table[3].split()[:2] == ["2e-03", "1"] and len(table[3].split()) == 4  # SWEET-RL, multi-turn DPO
 
 
 def test_run_sh_html_loop(tiny_model, tmp_path):

@@ -31,8 +31,8 @@ MC_STATES=${MC_STATES:-$([ "$ABLATIONS" = 1 ] && [ "${MODEL:-embedded}" = embedd
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-96}  # longest agent turn
 LR_CRITIC=${LR_CRITIC:-1e-4}          # released: 2e-7
 CRITIC_ARGS=${CRITIC_ARGS:-}          # more train_critic.py flags: a critic variant (the start is reused)
-LR_DPO=${LR_DPO:-2e-5} LR_MTDPO=${LR_MTDPO:-2e-6} LR_RFT=${LR_RFT:-6e-5}  # SWEET-RL, the baselines; and each DPO
-NLL_DPO=${NLL_DPO:-1} NLL_MTDPO=${NLL_MTDPO:-0.01}  # method's NLL weight (paper: 0.01): one grid chose each
+LR_DPO=${LR_DPO:-2e-5} LR_MTDPO=${LR_MTDPO:-6e-5} LR_RFT=${LR_RFT:-6e-5}  # SWEET-RL, the baselines; and each DPO
+NLL_DPO=${NLL_DPO:-1} NLL_MTDPO=${NLL_MTDPO:-1}  # method's NLL weight (paper: 0.01): one grid chose each
 # (bench/tune_lr.sh, docs/log.md; released: DPO 2e-7, and the paper gives no RFT rate)
 TRAIN_TRAJECTORIES=${TRAIN_TRAJECTORIES:-}  # trajectories in the released schema to train from, instead of train rollouts
 REPORT_DIALOGUES=40                   # dialogues of each run in the viewer

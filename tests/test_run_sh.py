@@ -34,7 +34,7 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
     env = {**os.environ, "PY": sys.executable, "RUN": str(tmp_path / "run"), "MODEL": tiny_model, "N_WARMUP": "0",
            "TRAIN_TRAJECTORIES": str(oracle_trajectories(tmp_path)), "N_TEST": "2", "N_VAL": "2", "CANDIDATES": "2",
            "DATA_FRACTION": "0.2", "MAX_NEW_TOKENS": "8", "BASELINES": "1", "LR_CRITIC": "1e-3", "LR_DPO": "1e-3", "LR_MTDPO": "2e-3",
-           "LR_RFT": "3e-3", "MC_STATES": "1", "CRITIC_ARGS": "--ridge 0.5",
+           "LR_RFT": "3e-3", "NLL_MTDPO": "0.01", "MC_STATES": "1", "CRITIC_ARGS": "--ridge 0.5",
            "ABLATIONS": "1", "OMP_NUM_THREADS": "1"}
     p = subprocess.run(["bash", str(ROOT / "run.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]

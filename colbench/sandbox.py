@@ -400,6 +400,31 @@ def _remove_cgroup(d):
         time.sleep(0.02)
 
 
+def _end_uid(uid, wait_s=5.0):
+    """Kill every live process of sandbox uid `uid` and wait until none is left. Killing the namespace's first
+    process makes the kernel kill the rest, but not at once (a fork bomb's 64 take a moment to exit, and a process
+    leaves its cgroup before it finishes exiting): without this wait a dying process can still hold the uid (and
+    count against RLIMIT_NPROC) when the pool hands it to the next program. A zombie runs nothing and is skipped."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        live = []
+        for p in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                status = open(f"/proc/{p}/status").read()
+                if int(status.split("Uid:")[1].split()[0]) == uid and status.split("State:")[1].split()[0] != "Z":
+                    live.append(int(p))
+            except (OSError, IndexError, ValueError):
+                continue  # not a process, or it left while we read it
+        if not live or time.monotonic() > deadline:
+            return
+        for pid in live:
+            try:
+                os.kill(pid, 9)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.01)
+
+
 def run_calls(code, calls, timeout=10.0, released=False, mem_mb=1024, trusted=False):
     """Run `code`, then each (name, call expression), in a sandbox. Returns {name: (status, value)}:
     ("ok", plain Python data) or (exception | unencodable | timeout | crash | infrastructure, reason).
@@ -455,6 +480,8 @@ def _run_sandboxed(code, calls, timeout, released, mem_mb, uid, trusted):
             proc.wait()
         if cgroup:
             _remove_cgroup(cgroup)  # and anything that left the process group
+        if drops_uid:
+            _end_uid(uid)  # the uid goes back to the pool with none of its processes alive
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
 

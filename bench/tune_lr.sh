@@ -2,10 +2,11 @@
 # The fair protocol's one tuning procedure: every method gets the same learning-rate grid on the validation tasks
 # of a tuning draw that is never reported (N_TEST=0: no test rollouts), at beta 0.1 and each NLL weight of the grid
 # (NLL: the paper's 0.01, and 1; both DPO methods get the same). The draw is a finished `N_TEST=0 BASELINES=1
-# bash run.sh` run directory (BASELINES=0: SWEET-RL's grid alone); for each other rate this copies its stages up to
-# the turn labels and the reference log-probs (nothing is redone) and trains and selects every method again at that
-# rate. Each method's score at a rate is its validation success at the snapshot its selection kept; pick per method
-# the rate and weight with the highest (a tie: the lower rate, the paper's weight) and record it in docs/log.md.
+# bash run.sh` run directory (BASELINES=0: SWEET-RL's grid alone; the draw's seed and task type are read from its
+# settings); for each other rate this copies its stages up to the turn labels and the reference log-probs (nothing
+# is redone) and trains and selects every method again at that rate. Each method's score at a rate is its
+# validation success at the snapshot its selection kept; pick per method the rate and weight with the highest (a
+# tie: the lower rate, the paper's weight) and record it in docs/log.md.
 #   N_TEST=0 BASELINES=1 SEED=10 LR_DPO=6e-6 LR_MTDPO=6e-6 LR_RFT=6e-6 NLL_DPO=0.01 NLL_MTDPO=0.01 \
 #     RUN=runs/tune bash run.sh                                   # a rate, at the paper's NLL weight
 #   bash bench/tune_lr.sh runs/tune 6e-7 2e-6 2e-5 6e-5          # the same draw at the grid's other rates
@@ -17,7 +18,8 @@ draw=${1:?usage: bash bench/tune_lr.sh RUN_DIR LR [LR ...]}; shift
 [ -f "$draw/select_sweet.json" ] || { echo "tune_lr.sh: $draw has no select_sweet.json: finish its N_TEST=0 run.sh first" >&2
   exit 1; }
 nll=${NLL:-0.01}  # the grid's NLL weight, both DPO methods
-seed=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["seed"])' "$draw/critic/run_settings.json")
+read -r seed task_type < <(python3 -c 'import json, sys; s = json.load(open(sys.argv[1]))
+print(s["seed"], s["task_type"])' "$draw/critic/run_settings.json")  # the draw's own: code or html
 for lr in "$@"; do
   out=${draw%/}_lr$lr$([ "$nll" = 0.01 ] || echo "_nll$nll")
   if [ ! -d "$out" ]; then mkdir -p "$out"
@@ -31,8 +33,8 @@ for lr in "$@"; do
     if [ "$nll" != 0.01 ] && [ ! -e "$out/policy_rft" ] && [ -f "$c/select_rft.json" ] && python3 -c 'import json, sys
 sys.exit(json.load(open(sys.argv[1]))["lr"] != float(sys.argv[2]))' "$c/policy_rft/run_settings.json" "$lr"; then
       ln -s "$(cd "$c" && pwd)/policy_rft" "$out/policy_rft"; cp -a "$c"/val_rft_* "$out/"; fi; done
-  RUN=$out SEED=$seed LR_DPO=$lr LR_MTDPO=$lr LR_RFT=$lr NLL_DPO=$nll NLL_MTDPO=$nll BASELINES=${BASELINES:-1} N_TEST=0 \
-    bash run.sh
+  RUN=$out SEED=$seed TASK_TYPE=$task_type LR_DPO=$lr LR_MTDPO=$lr LR_RFT=$lr NLL_DPO=$nll NLL_MTDPO=$nll \
+    BASELINES=${BASELINES:-1} N_TEST=0 bash run.sh
 done
 python3 - "$draw" <<'EOF'
 import glob, json, os, sys
@@ -41,9 +43,10 @@ for d in [draw, *glob.glob(f"{draw}_lr*")]:  # each method at the rate and NLL w
     for m in methods:
         if os.path.exists(f"{d}/select_{m}.json"):
             s, run = json.load(open(f"{d}/select_{m}.json")), json.load(open(f"{d}/policy_{m}/run_settings.json"))
-            table.setdefault((run["lr"], run["nll_coef"]), {})[m] = s["methods"][s["selected"]]
-print(f"{'lr':>8}{'nll':>6}" + "".join(f"{m:>10}" for m in methods) + "   (validation success of the kept policy)")
+            kept = s["methods"][s["selected"]]  # code: its success; html: its mean similarity
+            table.setdefault((run["lr"], run["nll_coef"]), {})[m] = kept.get("success", kept.get("similarity"))
+metric = "similarity" if "similarity" in kept else "success"
+print(f"{'lr':>8}{'nll':>6}" + "".join(f"{m:>10}" for m in methods) + f"   (validation {metric} of the kept policy)")
 for (lr, nll), row in sorted(table.items()):  # (RFT has no NLL weight: it stands in the row of train_dpo's default)
-    print(f"{lr:>8.0e}{nll:>6g}"
-          + "".join(f"{100 * row[m]['success']:>9.1f}%" if m in row else f"{'':>10}" for m in methods))
+    print(f"{lr:>8.0e}{nll:>6g}" + "".join(f"{100 * row[m]:>9.1f}%" if m in row else f"{'':>10}" for m in methods))
 EOF

@@ -199,6 +199,18 @@ def test_run_sh_html_loop(tiny_model, tmp_path):
     train = read(run / "train_graded.jsonl")
     assert any(r["exact_design"] and r["reward"] == 1.0 for r in train) and min(r["reward"] for r in train) < 0.9
     assert res["methods"]["zero_shot"]["policy"].endswith("policy_warm_hasty0.4")
+    # an html tuning draw: bench/tune_lr.sh takes the draw's task type from its settings, not from the environment
+    env.pop("TASK_TYPE")
+    p2 = subprocess.run(["bash", "bench/tune_lr.sh", str(run), "2e-3"], cwd=ROOT, env={**env, "BASELINES": "0"},
+                        capture_output=True, text=True, timeout=900)
+    assert p2.returncode == 0, p2.stdout[-4000:] + p2.stderr[-4000:]
+    cell = tmp_path / "run_lr2e-3"
+    assert "  TASK_TYPE=html\n" in p2.stdout and "reusing " + str(cell / "critic") in p2.stdout
+    sel = json.loads((cell / "select_sweet.json").read_text())
+    assert sel["methods"]["sweet_end"]["training"]["lr"] == 2e-3 and "similarity" in sel["methods"]["sweet_end"]
+    assert json.loads((cell / "policy_sweet" / "run_settings.json").read_text())["task_type"] == "html"
+    table = p2.stdout[p2.stdout.index("(validation similarity of the kept policy)"):].splitlines()  # pages: similarity
+    assert table[2].split()[:3] == ["2e-03", "0.01", f"{100 * sel['methods'][sel['selected']]['similarity']:.1f}%"]
 
 
 def test_run_sh_on_colbench_files_uses_released_settings(tiny_model, tmp_path):

@@ -59,8 +59,9 @@ class Args:
     credit: str = ""
     """with --compare: label_turns.py's PAIRS: the turn credit of each critic from credit.py's PAIRS.credit.json"""
     select: bool = False
-    """with --compare: also pick the run with the highest success (the earliest listed wins a tie) and record it
-    as `selected` and `selected_policy` in --summary (run.sh: checkpoint selection on validation tasks)"""
+    """with --compare: also pick the run with the highest success (procedural pages: exact designs; ColBench pages:
+    similarity; the earliest listed wins a tie) and record it as `selected` and `selected_policy` in --summary
+    (run.sh: checkpoint selection on validation tasks)"""
 
 
 BOOTSTRAP = 10000  # resamples of every interval
@@ -88,7 +89,8 @@ def compare(args):
     """Each method's score with a 95% bootstrap interval over tasks, and its paired difference to the first
     method on the same tasks with its own interval. Code: success (mean over tasks of the per-task success
     rate). Frontend: similarity (per-task mean), the win rate against the first method (tasks where it is
-    higher, ties half) with its interval, and the exact-design rate where the pages have design facts."""
+    higher, ties half) with its interval, and the exact-design rate (success) with its paired interval where the
+    pages have design facts."""
     common.check_writable(args.summary)
     runs = dict(kv.split("=", 1) for kv in args.compare.split(","))
     policies = dict(kv.split("=", 1) for kv in args.policies.split(",") if kv)
@@ -112,7 +114,7 @@ def compare(args):
             rows += part
         if all("family" in r["task"] for r in rows):  # procedural code tasks: where the dialogues ended
             outcomes[name] = dict(Counter(colbench.dialogue_outcome(r) for r in rows))
-        value = (lambda r: r["reward"]) if html else (lambda r: float(bool(r["success"])))
+        value = grade.similarity if html else (lambda r: float(bool(r["success"])))
         per_task[name] = {t: sum(map(value, v)) / len(v) for t, v in by.items()}
         tests[name] = sum(r["reward"] for r in rows) / len(rows)
         length[name] = {"mean_turns": sum(map(colbench.num_agent_turns, rows)) / len(rows),  # how long they ran,
@@ -165,9 +167,11 @@ def compare(args):
     for line in credit.get("lines", []):  # turn credit, as credit.py said it
         print(line)
     if args.select:  # max() keeps the first of equal values: the starting policy, then the least-trained snapshot
-        best = max(res["methods"], key=lambda n: res["methods"][n][score])
+        by = "exact_design" if len(exact) == len(runs) else score  # procedural pages: success, as on code
+        best = max(res["methods"], key=lambda n: res["methods"][n][by])
+        res["selected_by"] = by
         res["selected"], res["selected_policy"] = best, res["methods"][best]["policy"]
-        print(f"selected: {best} ({res['selected_policy'] or 'no policy given'})")
+        print(f"selected by {by.replace('_', ' ')}: {best} ({res['selected_policy'] or 'no policy given'})")
     if args.summary:
         common.write_text(args.summary, json.dumps(res, indent=2))
     return res
@@ -225,7 +229,7 @@ def main(args):
         common.save_run_settings(f"{args.output}.run_settings.json", args)
     s = {**grade.summarize(rows, args.k), **extra}
     if args.task_type == "html":
-        s["similarity"], s["win_rate"] = s["tests_passed"], None
+        s["win_rate"] = None
         if rows and all("exact_design" in r for r in rows):  # procedural pages: success = exact design
             s["exact_design"] = s["success_rate"]
         if args.reference:

@@ -10,7 +10,7 @@ Writes: JSONL with problem_description, hidden_information, ground_truth, test_c
     python generate_tasks.py --task_type html --source procedural --num_tasks 50 --seed 1 --output data/html_test.jsonl
 
 Procedural tasks are ours (colbench/tasks.py, docs/curriculum.md): small personalised functions with two hidden
-facts, and pages with five design facts, 2-3 of them hidden; a code task whose ground truth fails is dropped.
+facts, and pages with five design facts, two of them hidden; a code task whose ground truth fails is dropped.
 """
 from __future__ import annotations
 

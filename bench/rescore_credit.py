@@ -12,7 +12,8 @@ and ranks the candidates of each state by
     released: mean log pi_critic(a | c, o) - mean log pi_ref(a | o)   (the release's rank_best_of_n: the sampler's
               own log-probs, recorded without c)
     pmi:      mean log pi_ref(a | c, o) - mean log pi_ref(a | o)   (no critic: how much c makes a likely)
-It prints credit.py's class pairs by kind (good answer > bad question, ...) and the exact answer pairs for each
+It prints credit.py's class pairs by kind (good answer > bad question, ..., on pages also good answer > bad draft,
+good draft > bad question, ...) and the exact answer pairs for each
 critic and ranking, and writes them to RUN/rescore/report.json. A critic variant costs its training and one
 forward over the candidates (about 3 min for 135 states x 8 candidates on 2 cores), not a run.
 """
@@ -31,7 +32,7 @@ from machinery import models  # noqa: E402
 from train_critic import load_critic, training_info, turn_advantage  # noqa: E402
 
 KINDS = ("good answer > bad question", "good question > bad answer", "good answer > bad answer",
-         "good question > bad question")
+         "good question > bad question")  # then, on pages, the draft kinds (good answer > bad draft, ...) that occur
 
 
 def logprobs(model, tok, prefix, prompt, candidates, max_len):
@@ -103,11 +104,12 @@ def main():
     width, f3 = max(len(n) for n in names), lambda v: "-" if v is None else f"{v:.3f}"
     print(f"{len(states)} states; class pairs by kind (pairs), exact answer pairs ({report['exact_pairs']}); "
           + (credit.kind_order_line(acc["kind_order"]) or "no class pairs"))
-    print(" " * width + " | " + " | ".join(f"{k} ({acc['by_kind'][names[0]].get(k, [0, 0])[1]})" for k in KINDS)
+    kinds = [*KINDS, *sorted(k for k in acc["by_kind"][names[0]] if k not in KINDS)]
+    print(" " * width + " | " + " | ".join(f"{k} ({acc['by_kind'][names[0]].get(k, [0, 0])[1]})" for k in kinds)
           + " | exact")
     for n in names:
-        row = [acc["by_kind"][n].get(k, [None])[0] for k in KINDS]
-        print(f"{n:<{width}} | " + " | ".join(f3(v).center(len(k) + 6) for v, k in zip(row, KINDS))
+        row = [acc["by_kind"][n].get(k, [None])[0] for k in kinds]
+        print(f"{n:<{width}} | " + " | ".join(f3(v).center(len(k) + 6) for v, k in zip(row, kinds))
               + f" | {f3(exact['credit_accuracy'][n])}")
     for name, g in report["mean_log_ratio"].items():
         print(f"mean per-token log-ratio, {name}: " + ", ".join(f"{k} {v:+.2f}" for k, v in g.items()))

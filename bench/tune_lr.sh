@@ -43,10 +43,11 @@ for d in [draw, *glob.glob(f"{draw}_lr*")]:  # each method at the rate and NLL w
     for m in methods:
         if os.path.exists(f"{d}/select_{m}.json"):
             s, run = json.load(open(f"{d}/select_{m}.json")), json.load(open(f"{d}/policy_{m}/run_settings.json"))
-            kept = s["methods"][s["selected"]]  # code: its success; html: its mean similarity
-            table.setdefault((run["lr"], run["nll_coef"]), {})[m] = kept.get("success", kept.get("similarity"))
-metric = "similarity" if "similarity" in kept else "success"
-print(f"{'lr':>8}{'nll':>6}" + "".join(f"{m:>10}" for m in methods) + f"   (validation {metric} of the kept policy)")
+            kept = s["methods"][s["selected"]]  # what its selection ranked: success, exact designs or similarity
+            by = s.get("selected_by") or ("success" if "success" in kept else "similarity")
+            table.setdefault((run["lr"], run["nll_coef"]), {})[m] = kept[by]
+print(f"{'lr':>8}{'nll':>6}" + "".join(f"{m:>10}" for m in methods)
+      + f"   (validation {by.replace('_', ' ')} of the kept policy)")
 for (lr, nll), row in sorted(table.items()):  # (RFT has no NLL weight: it stands in the row of train_dpo's default)
     print(f"{lr:>8.0e}{nll:>6g}" + "".join(f"{100 * row[m]:>9.1f}%" if m in row else f"{'':>10}" for m in methods))
 EOF

@@ -426,24 +426,23 @@ def num_agent_turns(r):
 
 
 def trajectory_pairs(rows, task_type="code", min_gap=0.1):
-    """(chosen, rejected) trajectory pairs from graded rollouts, as released. Backend: per task the
-    best sample must succeed; every lower-reward sample of that task is a rejected partner.
-    Frontend: every two samples whose rewards (similarities) differ by at least min_gap; and on
-    procedural pages (ours) also an exact design over a lower-similarity sample that is not one
-    (the number of boxes or the title's alignment barely moves a similarity)."""
+    """(chosen, rejected) trajectory pairs from graded rollouts, as released. Per task the best sample must
+    succeed; every lower-reward sample of that task is a rejected partner: code tasks, and (ours) procedural pages,
+    whose success is every design fact right and whose reward the share of facts right. ColBench's own pages have
+    no success: every two samples whose rewards (similarities) differ by at least min_gap."""
     by_task = {}
     for r in rows:
         by_task.setdefault(r["task_id"], []).append(r)
     pairs = []
     for group in by_task.values():
         group = sorted(group, key=lambda r: (-r["reward"], r.get("sample", 0)))
-        if task_type == "code":
+        if task_type == "code" or all("success" in r for r in group):
             best = group[0]
             if best.get("success", best["reward"] >= 1.0):
                 pairs += [(best, r) for r in group[1:] if r["reward"] < best["reward"]]
         else:
-            pairs += [(a, b) for i, a in enumerate(group) for b in group[i + 1:] if a["reward"] - b["reward"] >= min_gap
-                      or a["reward"] > b["reward"] and a.get("exact_design") and not b.get("exact_design")]
+            pairs += [(a, b) for i, a in enumerate(group) for b in group[i + 1:]
+                      if a["reward"] - b["reward"] >= min_gap]
     return pairs
 
 

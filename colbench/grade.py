@@ -45,9 +45,10 @@ def grade_code_answers(rows, timeout=10.0, released=False, workers=0):
 
 
 def grade_html_answers(rows, clip_model="", render_workers=2):
-    """reward = similarity of the rendered final answer and the rendered target (its metric named). On
-    procedural pages with design facts also success = exact_design: the answer's render matches every
-    design fact (render.design_features, read from pixels)."""
+    """similarity of the rendered final answer and the rendered target (its metric named), the reward of a
+    ColBench page. On procedural pages with design facts the reward is the share of the design facts the answer's
+    render gets right (render.design_features, read from pixels), as a code task's is its tests, and success =
+    exact_design = every fact right."""
     sim = render.ImageSimilarity(clip_model)
     tasks = {r["task_id"]: r["task"]["ground_truth"] for r in rows}
     with render.RenderPool(render_workers) as pool, ThreadPoolExecutor(render_workers) as threads:
@@ -58,12 +59,12 @@ def grade_html_answers(rows, clip_model="", render_workers=2):
         failures = pool.failures
     scores = sim([img for img, _ in answers], [targets[r["task_id"]][0] for r in rows])
     for r, s, (img, ok) in zip(rows, scores, answers):
-        r.update(reward=float(s), metric=sim.metric, rendered=ok, target_rendered=targets[r["task_id"]][1])
+        r.update(reward=float(s), similarity=float(s), metric=sim.metric, rendered=ok,
+                 target_rendered=targets[r["task_id"]][1])
         design = colbench.design_of(r["task"]) if r["task"].get("hidden_information") else {}
         if design:
-            features = render.design_features(img)
-            wrong = colbench.design_mismatches(design, features) if r["answer"] else list(design)
-            r["success"] = r["exact_design"] = not wrong
+            wrong = colbench.design_mismatches(design, render.design_features(img)) if r["answer"] else list(design)
+            r.update(reward=1 - len(wrong) / len(design), success=not wrong, exact_design=not wrong)
     return rows, {"metric": sim.metric, "render_failures": failures}
 
 
@@ -77,10 +78,15 @@ def win_rate(rows, reference_rows):
     return sum(1.0 if ours[t] > ref[t] else 0.5 if ours[t] == ref[t] else 0.0 for t in common_tasks) / len(common_tasks)
 
 
+def similarity(r):
+    """A graded page's similarity to its target (files graded before the field was kept: their reward)."""
+    return r.get("similarity", r["reward"])
+
+
 def _by_task(rows):
     out = defaultdict(list)
     for r in rows:
-        out[r["task_id"]].append(r["reward"])
+        out[r["task_id"]].append(similarity(r))
     return out
 
 
@@ -123,6 +129,9 @@ def summarize(rows, k=1):
     firstk = [sorted(v, key=lambda r: r["sample"])[:k] for v in by_task.values()]
     s["best_of_k_success"] = mean([any(r.get("success", False) for r in v) for v in firstk])
     s["best_of_k_tests"] = mean([max(r["reward"] for r in v) for v in firstk])
+    if rows and "metric" in rows[0]:  # pages: their similarity, beside the reward (procedural: the facts right)
+        s["similarity"] = mean([similarity(r) for r in rows])
+        s["best_of_k_similarity"] = mean([max(map(similarity, v)) for v in firstk])
     return s
 
 
@@ -131,9 +140,12 @@ def print_table(s, title=""):
     if "similarity" in s:
         lines += [(f"similarity ({s['metric']})", f"{100 * s['similarity']:.1f}%")]
         if s["k"] > 1:
-            lines += [(f"best-of-{s['k']} similarity", f"{100 * s['best_of_k_tests']:.1f}%")]
+            lines += [(f"best-of-{s['k']} similarity", f"{100 * s['best_of_k_similarity']:.1f}%")]
         if s.get("exact_design") is not None:
-            lines += [("exact design (every design fact right)", f"{100 * s['exact_design']:.1f}%")]
+            lines += [("exact design (every design fact right)", f"{100 * s['exact_design']:.1f}%"),
+                      ("% design facts right (the reward)", f"{100 * s['tests_passed']:.1f}%")]
+            if s["k"] > 1:
+                lines += [(f"best-of-{s['k']} exact design", f"{100 * s['best_of_k_success']:.1f}%")]
         if s.get("win_rate") is not None:
             lines += [("win rate vs reference", f"{100 * s['win_rate']:.1f}%")]
         lines += [("pages that failed to render", s["render_failures"])]

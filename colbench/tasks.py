@@ -1,5 +1,5 @@
 """ColBench's procedural tasks (ours; docs/curriculum.md): six families of small personalised functions, each
-with two hidden facts in plain sentences, and Tailwind pages with five design facts, 2-3 of them hidden. Every
+with two hidden facts in plain sentences, and Tailwind pages with five design facts, two of them hidden. Every
 procedural ground truth runs in the sandboxed grader; a task whose ground truth errors or returns None on a test
 is dropped.
 
@@ -156,12 +156,14 @@ def procedural_task(rng, family=None):
 # ----------------------------------------------------------------------------------------------
 # Procedural frontend pages (Tailwind 2.2.19) with hidden design facts: a header with the business's
 # name, a row of boxes and a footer, set by five facts (colbench.DESIGN_FACTS: page background,
-# header colour, number of boxes, footer colour, title alignment). The description states some of
-# them; 2-3 are hidden, one a line of hidden_information, for the agent to ask about or find by
-# showing drafts. A page is ~150 tokens, short enough for the 135M agent to write.
+# header colour, number of boxes, footer colour, title alignment). The description states three of
+# them, the background always (two values: a guess would be right half the time); two are hidden, one a
+# line of hidden_information, for the agent to ask about or find by showing drafts, as a code task's two
+# facts (docs/frontend.md). A page is ~150 tokens, short enough for the 135M agent to write.
 # ----------------------------------------------------------------------------------------------
 BUSINESSES = ["bakery", "law firm", "yoga studio", "bike shop", "dental clinic", "coffee roaster", "museum",
               "travel agency", "bookstore", "flower shop", "gym", "animal shelter", "hotel", "pizzeria"]
+STATED, HIDDEN = ("background",), 2  # facts every description states; how many of the others are hidden
 TAILWIND_LINK = '<link href="https://cdn.jsdelivr.net/npm/tailwindcss@2.2.19/dist/tailwind.min.css" rel="stylesheet">'
 
 
@@ -169,7 +171,7 @@ def procedural_page(rng):
     """One frontend task: problem_description (with the stated facts), hidden_information (the hidden
     facts, one a line, most important first) and ground_truth (the target HTML)."""
     design = {k: rng.choice(values) for k, (_, values) in colbench.DESIGN_FACTS.items()}
-    hidden = set(rng.sample(sorted(design), rng.choice([2, 3])))
+    hidden = set(rng.sample(sorted(k for k in design if k not in STATED), HIDDEN))
     stated = " ".join(colbench.design_fact(k, design[k]) for k in design if k not in hidden)
     biz = rng.choice(BUSINESSES)
     mood = rng.choice(['clean', 'bold', 'friendly', 'simple'])

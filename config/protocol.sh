@@ -11,11 +11,12 @@ if [ -z "$AGENT_BACKEND" ]; then AGENT_BACKEND=hf
   elif [ "$EMB" = 0 ] && nvidia-smi -L >/dev/null 2>&1; then echo "run.sh: $MODEL on a" \
     "GPU without vLLM: install requirements-gpu.txt, or set AGENT_BACKEND=hf to decode token by token on purpose" >&2; exit 1; fi; fi
 # the warm-up: its starting share of hasty oracle dialogues, its chance of a turn mistake, the band its validation
-# success should land in, retries, its SFT rate and task seed; procedural code tasks: a budget of 4 agent turns for
-# their 2 facts (docs/curriculum.md). Validation: its task seed and dialogues per task; rollouts' batch.
+# success should land in, retries, its SFT rate and task seed; procedural tasks: a budget of 4 agent turns for
+# their 2 hidden facts (docs/curriculum.md, docs/frontend.md). Validation: its task seed and dialogues per task;
+# rollouts' batch.
 HASTY=0.15 MISTAKE=0.2 BAND=0.25,0.55 TRIES=2 TURNS=10 WARMUP_LR=1e-4 WARMUP_SEED=3 VAL_SEED=4 VAL_SAMPLES=2
 ROLLOUT_BATCH=64; [ "$TASK_TYPE" = html ] && HASTY=0.5 BAND=0.15,0.5 TRIES=1
-[ "$TASK_TYPE" = code ] && [ -z "$TRAIN_TASKS$TEST_TASKS" ] && TURNS=4
+[ -z "$TRAIN_TASKS$TEST_TASKS" ] && TURNS=4
 echo "run.sh: run directory $RUN$([ -d "$RUN" ] && echo ' (exists: finished stages are reused)')"
 for v in TASK_TYPE SMALL SEED MODEL TRAIN_TASKS TEST_TASKS SIMULATOR_URL NPROC AGENT_BACKEND BASELINES ABLATIONS PROMPT_DIR CLIP_MODEL \
   N_TRAIN N_TEST N_VAL N_WARMUP SAMPLES CANDIDATES DATA_FRACTION MC_STATES MAX_NEW_TOKENS LR_CRITIC CRITIC_ARGS LR_DPO LR_MTDPO LR_RFT NLL_DPO NLL_MTDPO TRAIN_TRAJECTORIES; do

@@ -152,8 +152,13 @@ def test_trajectory_pairs_rules():
             row("c", 0, 1.0)]  # a single sample: no pair
     pairs = colbench.trajectory_pairs(rows, "code")
     assert [(c["task_id"], c["sample"], r["sample"]) for c, r in pairs] == [("a", 0, 1), ("a", 0, 3)]  # ties never pair
-    html = colbench.trajectory_pairs([row("h", 0, 0.8), row("h", 1, 0.75), row("h", 2, 0.6), row("h", 3, 0.2)], "html")
+    page = lambda t, s, r: {"task_id": t, "sample": s, "reward": r}  # ColBench's pages: a similarity, no success
+    html = colbench.trajectory_pairs([page("h", 0, 0.8), page("h", 1, 0.75), page("h", 2, 0.6), page("h", 3, 0.2)], "html")
     assert [(c["sample"], r["sample"]) for c, r in html] == [(0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]  # gap >= 0.1, not 0.05
+    # procedural pages (reward: the share of design facts right; success: all of them) follow the backend's rule
+    facts = [row("p", 0, 0.8), row("p", 1, 1.0), row("p", 2, 0.6), row("p", 3, 1.0), row("q", 0, 0.8), row("q", 1, 0.4)]
+    assert [(c["task_id"], c["sample"], r["sample"]) for c, r in colbench.trajectory_pairs(facts, "html")] == \
+        [("p", 1, 0), ("p", 1, 2)]
 
 
 def test_compare_reports_bootstrap_and_paired_intervals(tmp_path):

@@ -118,9 +118,9 @@ def test_html_extraction_follows_released_rules():
 def test_procedural_pages_are_deterministic_and_import_websight(tmp_path):
     a = [colbench.tasks.procedural_page(random.Random(5)) for _ in range(2)]
     assert a[0] == a[1] and "tailwindcss@2.2.19" in a[0]["ground_truth"]
-    for t in [colbench.tasks.procedural_page(random.Random(s)) for s in range(30)]:  # 2-3 of the 5 facts hidden
+    for t in [colbench.tasks.procedural_page(random.Random(s)) for s in range(30)]:  # 2 of the 5 facts hidden
         hidden = t["hidden_information"].splitlines()
-        assert 2 <= len(hidden) <= 3 and len(colbench.design_of(t)) == 5
+        assert len(hidden) == 2 and len(colbench.design_of(t)) == 5 and "background" not in colbench.design_in(hidden[0] + hidden[1])
         assert not any(f in t["problem_description"] for f in hidden)
     (tmp_path / "ws.jsonl").write_text(json.dumps({"text": a[0]["ground_truth"], "llm_generated_idea": "A page."}) + "\n")
     (t,) = colbench.load_tasks(tmp_path / "ws.jsonl", "html")
@@ -160,6 +160,9 @@ def test_html_rollout_and_evaluation_end_to_end(tiny_model, simulator_url, tmp_p
     assert oracle["exact_design"] == 1.0 and oracle["mean_turns"] > 1  # it asked or showed drafts before answering
     assert tiny["similarity"] < 1.0 and tiny["win_rate"] == 0.0  # the random model never beats the target itself
     assert all(r["metric"] == "pixel_hist_v1" for r in read_jsonl(tmp_path / "rg.jsonl"))
+    # the reward of a procedural page: the share of its five design facts right (no page: none), beside the similarity
+    assert all(r["reward"] == 1.0 and r["similarity"] == pytest.approx(1.0) for r in read_jsonl(tmp_path / "og.jsonl"))
+    assert all(r["reward"] == 0.0 < r["similarity"] for r in read_jsonl(tmp_path / "rg.jsonl") if not r["answer"])
     again = run_script("evaluate.py", "--task_type", "html", "--input", tmp_path / "r.jsonl", "--output", tmp_path / "rg.jsonl",
                        "--summary", tmp_path / "rs.json", "--reference", tmp_path / "og.jsonl")  # a resumed run: no rendering
     assert "reusing" in again.stdout and "answer pages" not in again.stderr
@@ -246,10 +249,12 @@ def test_html_turn_classes():
 
 
 def test_compare_reports_html_similarity_win_rate_and_exact_design(tmp_path, capsys):
-    rows = lambda rewards, exact: "".join(json.dumps({"task": {"problem_description": "p", "ground_truth": "g"}, "task_id": f"t{i}",
-                                                     "sample": 0, "reward": r, "metric": "pixel_hist_v1", "success": e,
+    # procedural pages: the reward is the share of design facts right, the similarity is reported beside it
+    rows = lambda sims, exact: "".join(json.dumps({"task": {"problem_description": "p", "ground_truth": "g"}, "task_id": f"t{i}",
+                                                     "sample": 0, "similarity": r, "reward": 1.0 if e else 0.6,
+                                                     "metric": "pixel_hist_v1", "success": e,
                                                      "exact_design": e, "dialogue_history": [], "answer": "" if r < 0.25 else "<p>"}) + "\n"
-                                          for i, (r, e) in enumerate(zip(rewards, exact)))
+                                          for i, (r, e) in enumerate(zip(sims, exact)))
     (tmp_path / "a.jsonl").write_text(rows([0.5, 0.8, 0.9, 0.3], [False, False, True, False]))
     (tmp_path / "b.jsonl").write_text(rows([0.9, 0.8, 1.0, 0.2], [True, False, True, False]))
     res = evaluate.main(common.parse_args(evaluate.Args, argv=["--compare", f"zero_shot={tmp_path / 'a.jsonl'},"
@@ -265,6 +270,12 @@ def test_compare_reports_html_similarity_win_rate_and_exact_design(tmp_path, cap
     out = capsys.readouterr().out
     # a dialogue with no page to grade (sweet_rl's 0.2: it never showed one) is counted
     assert (z["no_page"], s["no_page"]) == (0, 1) and "dialogues with no page to grade: zero_shot 0, sweet_rl 1" in out
+    # validation selects a procedural page's snapshot by success (exact designs), not by similarity
+    (tmp_path / "s.jsonl").write_text(rows([0.95, 0.95, 0.95, 0.9], [False, True, False, False]))
+    sel = evaluate.main(common.parse_args(evaluate.Args, argv=["--select", "--compare", f"start={tmp_path / 'a.jsonl'},"
+                                                                f"similar={tmp_path / 's.jsonl'},exact={tmp_path / 'b.jsonl'}"]))
+    assert sel["methods"]["similar"]["similarity"] > sel["methods"]["exact"]["similarity"]
+    assert (sel["selected"], sel["selected_by"]) == ("exact", "exact_design")
     (tmp_path / "c.jsonl").write_text(rows([0.5], [False]).replace("pixel_hist_v1", "clip:x"))
     with pytest.raises(common.DataError, match="not comparable"):
         evaluate.main(common.parse_args(evaluate.Args, argv=["--compare", f"a={tmp_path / 'a.jsonl'},c={tmp_path / 'c.jsonl'}"]))

@@ -168,7 +168,7 @@ def test_run_sh_end_to_end(tiny_model, tmp_path):
 def test_run_sh_html_loop(tiny_model, tmp_path):
     """The frontend loop on procedural pages with hidden design facts: the warm-up with its calibration (the tiny
     model's start misses the band, so the warm-up is redone once with fewer hasty dialogues), oracle dialogues
-    (exact designs) as train trajectories, html turn classes, selection by similarity and results.json."""
+    (exact designs) as train trajectories, html turn classes, selection by exact designs and results.json."""
     env = {**os.environ, "PY": sys.executable, "RUN": str(tmp_path / "run"), "MODEL": tiny_model, "TASK_TYPE": "html",
            "N_WARMUP": "2", "TRAIN_TRAJECTORIES": str(oracle_trajectories(tmp_path, "html", 2)), "N_TEST": "2", "N_VAL": "2",
            "CANDIDATES": "2", "DATA_FRACTION": "0.2", "MAX_NEW_TOKENS": "8", "LR_CRITIC": "1e-3", "LR_DPO": "1e-3",
@@ -194,10 +194,12 @@ def test_run_sh_html_loop(tiny_model, tmp_path):
     assert "credit_accuracy" not in res and not (run / "pairs.jsonl.mc.jsonl").exists()
     states = credit.labelled_states(run / "pairs.jsonl")  # every labelled state has its true classes (credit.py)
     assert states and all(set(st["classes"]) <= {"good", "bad"} for st in states)
-    sel = json.loads((run / "select_sweet.json").read_text())
+    sel = json.loads((run / "select_sweet.json").read_text())  # selected by success (exact designs), as on code
     assert "similarity" in sel["methods"]["start"] and m["policy"] == sel["selected_policy"]
-    train = read(run / "train_graded.jsonl")
+    assert sel["selected_by"] == "exact_design"
+    train = read(run / "train_graded.jsonl")  # the reward: the share of the five design facts right
     assert any(r["exact_design"] and r["reward"] == 1.0 for r in train) and min(r["reward"] for r in train) < 0.9
+    assert {round(5 * r["reward"], 6) for r in train} <= {0, 1, 2, 3, 4, 5} and all(0 < r["similarity"] for r in train)
     assert res["methods"]["zero_shot"]["policy"].endswith("policy_warm_hasty0.4")
     # an html tuning draw: bench/tune_lr.sh takes the draw's task type from its settings, not from the environment
     env.pop("TASK_TYPE")
@@ -209,8 +211,8 @@ def test_run_sh_html_loop(tiny_model, tmp_path):
     sel = json.loads((cell / "select_sweet.json").read_text())
     assert sel["methods"]["sweet_end"]["training"]["lr"] == 2e-3 and "similarity" in sel["methods"]["sweet_end"]
     assert json.loads((cell / "policy_sweet" / "run_settings.json").read_text())["task_type"] == "html"
-    table = p2.stdout[p2.stdout.index("(validation similarity of the kept policy)"):].splitlines()  # pages: similarity
-    assert table[2].split()[:3] == ["2e-03", "0.01", f"{100 * sel['methods'][sel['selected']]['similarity']:.1f}%"]
+    table = p2.stdout[p2.stdout.index("(validation exact design of the kept policy)"):].splitlines()  # pages: success
+    assert table[2].split()[:3] == ["2e-03", "0.01", f"{100 * sel['methods'][sel['selected']]['exact_design']:.1f}%"]
 
 
 def test_run_sh_on_colbench_files_uses_released_settings(tiny_model, tmp_path):

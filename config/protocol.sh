@@ -15,7 +15,7 @@ if [ -z "$AGENT_BACKEND" ]; then AGENT_BACKEND=hf
 # their 2 hidden facts (docs/curriculum.md, docs/frontend.md). Validation: its task seed and dialogues per task;
 # rollouts' batch.
 HASTY=0.15 MISTAKE=0.2 BAND=0.25,0.55 TRIES=2 TURNS=10 WARMUP_LR=1e-4 WARMUP_SEED=3 VAL_SEED=4 VAL_SAMPLES=2
-ROLLOUT_BATCH=64; [ "$TASK_TYPE" = html ] && HASTY=0.5 BAND=0.15,0.5 TRIES=1
+ROLLOUT_BATCH=64
 [ -z "$TRAIN_TASKS$TEST_TASKS" ] && TURNS=4
 echo "run.sh: run directory $RUN$([ -d "$RUN" ] && echo ' (exists: finished stages are reused)')"
 for v in TASK_TYPE SMALL SEED MODEL TRAIN_TASKS TEST_TASKS SIMULATOR_URL NPROC AGENT_BACKEND BASELINES ABLATIONS PROMPT_DIR CLIP_MODEL \

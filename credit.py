@@ -6,10 +6,10 @@ decided pairs: in every labelled state of a code task, two answers whose rewards
 dialogue, so its reward, the share of tests passed, is its outcome: exact, at the cost of grading); and on a fixed
 sample of labelled states, every candidate's value under the policy that sampled it, by Monte Carlo: an answer graded
 once, any other turn continued --continuations (16) times by that policy with the human (rollout.py --prefixes), its
-value the mean reward (code: the share of tests passed; procedural pages: the share of design facts right; ColBench
-pages: the similarity), and only pairs whose values differ significantly count. Beside it: the values' split-half
-agreement (two halves of the continuations; the ceiling) and the best state-blind order of turn kinds on the same
-pairs (what a blanket preference earns).
+value the mean reward (the share of tests or of design facts right; ColBench pages: the similarity), and only pairs
+whose values differ significantly count. Beside it: the values' split-half agreement (two halves of the
+continuations; the ceiling) and the best state-blind order of turn kinds on the same pairs (what a blanket preference
+earns).
 
     python credit.py --pairs RUN/pairs.jsonl --trajectories RUN/train_graded.jsonl --max_turns 5
     python rollout.py --prefixes RUN/pairs.jsonl.mc.jsonl --output RUN/pairs.jsonl.mc_rollouts.jsonl ...
@@ -356,8 +356,7 @@ def mc_prefixes(states, trajectories, args):
 
 def mc_values(pairs):
     """{(task_id, sample, turn): {candidate index: (exact, [outcomes])}} from the graded continuations; the outcome
-    is the reward (code: the share of tests passed; procedural pages: the share of design facts right; ColBench
-    pages: the similarity)."""
+    is the reward (the share of tests or of design facts right; ColBench pages: the similarity)."""
     prefixes, _, graded = mc_paths(pairs)
     which = {r["sample"]: r for _, r in common.read_jsonl(prefixes)}
     values = {}

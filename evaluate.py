@@ -59,9 +59,8 @@ class Args:
     credit: str = ""
     """with --compare: label_turns.py's PAIRS: the turn credit of each critic from credit.py's PAIRS.credit.json"""
     select: bool = False
-    """with --compare: also pick the run with the highest success (procedural pages: exact designs; ColBench pages:
-    similarity; the earliest listed wins a tie) and record it as `selected` and `selected_policy` in --summary
-    (run.sh: checkpoint selection on validation tasks)"""
+    """with --compare: also pick the run with the highest success (ColBench pages: similarity; the first listed wins
+    a tie) as `selected`, `selected_policy` and `selected_by` in --summary (run.sh: selection on validation tasks)"""
 
 
 BOOTSTRAP = 10000  # resamples of every interval
@@ -89,8 +88,7 @@ def compare(args):
     """Each method's score with a 95% bootstrap interval over tasks, and its paired difference to the first
     method on the same tasks with its own interval. Code: success (mean over tasks of the per-task success
     rate). Frontend: similarity (per-task mean), the win rate against the first method (tasks where it is
-    higher, ties half) with its interval, and the exact-design rate (success) with its paired interval where the
-    pages have design facts."""
+    higher, ties half) with its interval, and the exact designs (success) paired where pages have design facts."""
     common.check_writable(args.summary)
     runs = dict(kv.split("=", 1) for kv in args.compare.split(","))
     policies = dict(kv.split("=", 1) for kv in args.policies.split(",") if kv)
@@ -169,8 +167,7 @@ def compare(args):
     if args.select:  # max() keeps the first of equal values: the starting policy, then the least-trained snapshot
         by = "exact_design" if len(exact) == len(runs) else score  # procedural pages: success, as on code
         best = max(res["methods"], key=lambda n: res["methods"][n][by])
-        res["selected_by"] = by
-        res["selected"], res["selected_policy"] = best, res["methods"][best]["policy"]
+        res["selected"], res["selected_policy"], res["selected_by"] = best, res["methods"][best]["policy"], by
         print(f"selected by {by.replace('_', ' ')}: {best} ({res['selected_policy'] or 'no policy given'})")
     if args.summary:
         common.write_text(args.summary, json.dumps(res, indent=2))

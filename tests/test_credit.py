@@ -133,7 +133,7 @@ def test_kind_order_is_the_best_state_blind_ranking_of_turn_kinds():
     assert credit.kind_order([{"candidates": ["x"]}]) is None
 
 
-def test_dpo_pair_classes_judge_each_pair_by_its_state():
+def test_dpo_pair_classes_judge_each_pair_by_its_state(tmp_path):
     key = {"task_id": "t", "sample": 0}
     states = [{**key, "turn": 0, "candidates": ["ask x", "answer", "ask y"], "classes": ["good", "bad", "bad"]},
               {**key, "turn": 1, "candidates": ["ask x", "answer"], "classes": ["bad", "good"]},  # same text, other class
@@ -143,6 +143,22 @@ def test_dpo_pair_classes_judge_each_pair_by_its_state():
              {**key, "turn": 1, "chosen": "ask x", "rejected": "answer"},  # wrong at turn 1
              {**key, "turn": 2, "chosen": "a", "rejected": "b"}]
     assert credit.dpo_pair_classes(states, pairs) == {"right": 1, "wrong": 1, "same_class": 1}
+    # bench/true_class_pairs.py, the ceiling of the critic's labels: a run's pairs put right by those classes
+    run, out = tmp_path / "run", tmp_path / "true_class"
+    (run / "critic").mkdir(parents=True), (run / "policy_sweet").mkdir()
+    (run / "critic" / "config.json").write_text("{}"), (run / "val_sweet_end.jsonl").write_text("")
+    common.write_jsonl(run / "pairs.jsonl", [{**p, "chosen_advantage": 1.0, "rejected_advantage": 0.0} for p in pairs])
+    common.write_jsonl(run / "pairs.jsonl.states.jsonl", [{**s, "classes": None, "advantages": [0.0] * len(
+        s["candidates"])} for s in states])  # the classes are credit.py's, in their own file
+    common.write_jsonl(run / "pairs.jsonl.classes.jsonl", [{**key, "turn": s["turn"], "classes": s.get("classes", []),
+                                                            "grades": []} for s in states])
+    (run / "pairs.jsonl.run_settings.json").write_text("{}")
+    report = json.loads(run_script("bench/true_class_pairs.py", run, out).stdout)
+    assert report == {"pairs": 2, "flipped": 1, "dropped_same_class": 2, "output": str(out)}
+    assert [(p["turn"], p["chosen"], p["rejected"], p["chosen_advantage"]) for _, p in common.read_jsonl(
+        out / "pairs.jsonl")] == [(0, "ask x", "answer", 1.0), (1, "answer", "ask x", 0.0)]
+    assert (out / "critic" / "config.json").exists() and not (out / "policy_sweet").exists()
+    assert not (out / "val_sweet_end.jsonl").exists() and not (out / "pairs.jsonl.classes.jsonl").exists()
 
 
 def test_trajectory_pairs_rules():

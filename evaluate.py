@@ -153,8 +153,7 @@ def compare(args):
                                     won=sum(x > 0 for x in d), tied=sum(x == 0 for x in d), lost=sum(x < 0 for x in d))
             if name in exact_task and base in exact_task:  # the similarity barely sees some design facts
                 e = [exact_task[name][t] - exact_task[base][t] for t in tasks]
-                paired[name].update(exact_design_diff=sum(e) / len(e),
-                                    exact_design_ci95=bootstrap_ci(e))
+                paired[name].update(exact_design_diff=sum(e) / len(e), exact_design_ci95=bootstrap_ci(e))
     credit_file = Path(f"{args.credit}.credit.json")
     credit = json.loads(credit_file.read_text()) if args.credit and credit_file.exists() else {}
     if args.credit and not credit:
